@@ -132,8 +132,8 @@ def print0(*args, **kwargs) -> None:
 
 
 def setup_rank_logging(log_dir: str | os.PathLike = "logs", level: int = logging.INFO,
-                       stream=None) -> logging.Logger:
-    """Log to <log_dir>/rank_<r>/train.log (and to `stream`, default stderr), each line tagged with the rank."""
+                       stream=None, console: bool = True) -> logging.Logger:
+    """Log to <log_dir>/rank_<r>/train.log (and, if console, to `stream`, default stderr), tagged with the rank."""
     info = get_dist_info()
     path = Path(log_dir) / f"rank_{info.rank}" / "train.log"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,10 @@ def setup_rank_logging(log_dir: str | os.PathLike = "logs", level: int = logging
         logger.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter(LOG_FORMAT.format(rank=info.rank, world_size=info.world_size))
-    for handler in (logging.FileHandler(path, mode="a"), logging.StreamHandler(stream or sys.stderr)):
+    handlers = [logging.FileHandler(path, mode="a")]
+    if console:
+        handlers.append(logging.StreamHandler(stream or sys.stderr))
+    for handler in handlers:
         handler.setFormatter(formatter)
         logger.addHandler(handler)
     return logger

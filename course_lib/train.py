@@ -10,6 +10,15 @@ resume, per-step metrics (loss, lr, grad norm, tokens/s) to out_dir/metrics.json
     python -m course_lib.train --config_path config/config.json --precision bf16 --threads 2
     python -m course_lib.train --help                                           # every TrainConfig field
 
+Data parallel (torch DDP): the same command as one process, or as N ranks under torchrun:
+
+    python -m course_lib.train --strategy ddp --model_size small --max_steps 50
+    torchrun --nproc_per_node=2 -m course_lib.train --strategy ddp --model_size small --max_steps 50
+
+Each rank takes its own rows of one global batch (batch_size rows per rank, batch_size * world_size in all),
+so N ranks take the same steps as one process with batch_size * N; rank 0 writes metrics and checkpoints,
+every rank logs to <log_dir>/rank_<r>/train.log.
+
 Resuming restores model, optimizer, scheduler, GradScaler, every RNG and the data position, so the
 continued run's losses equal an uninterrupted run's bit for bit (same device, threads and torch version).
 """
@@ -21,25 +30,29 @@ import math
 import random
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from course_lib.checkpoint import (clear_checkpoints, load_checkpoint, remove_partial_files, resolve_resume,
                                    save_training_checkpoint)
 from course_lib.config import add_dataclass_arguments, load_model_config
-from course_lib.data import RandomBatches, eval_batches, load_tokens, synthetic_tokens
-from course_lib.device import (DEVICE_CHOICES, PRECISIONS, autocast_context, autocast_dtype, needs_grad_scaler,
+from course_lib.dist import cleanup, init_distributed, setup_rank_logging
+from course_lib.data import RandomBatches, load_tokens, synthetic_tokens
+from course_lib.device import (DEVICE_CHOICES, PRECISIONS, autocast_dtype, needs_grad_scaler,
                                select_device)
 from course_lib.metrics import MetricsLogger
 from course_lib.model import GPT, PRESETS, GPTConfig
 from course_lib.optim import configure_optimizer, make_scheduler
+from course_lib.steps import accumulate_gradients, clip_gradients, evaluate, train_step  # noqa: F401 (re-exported)
 
 DATASETS = ("corpus", "synthetic")
+STRATEGIES = ("single", "ddp")
 SYNTHETIC_NUM_TOKENS = 200_000  # dataset="synthetic": this many "motifs" tokens, the last 10% held out
 
 
@@ -102,6 +115,10 @@ class TrainConfig:
     """corpus (the shipped text) or synthetic (a learnable token stream, for quick tests)."""
     threads: int | None = None
     """torch.set_num_threads for this process; None leaves torch's default."""
+    strategy: str = "single"
+    """single (one process) or ddp (torch DistributedDataParallel; one rank per process, e.g. under torchrun)."""
+    log_dir: str = "logs"
+    """strategy ddp: every rank writes its log lines to <log_dir>/rank_<r>/train.log."""
 
     def __post_init__(self):
         if self.min_lr is None:
@@ -124,6 +141,7 @@ class TrainConfig:
             (("model_size",), f"one of {sorted(PRESETS)} (or set config_path)",
              lambda v: self.config_path is not None or v in PRESETS),
             (("dataset",), f"one of {DATASETS}", lambda v: v in DATASETS),
+            (("strategy",), f"one of {STRATEGIES}", lambda v: v in STRATEGIES),
             (("precision",), f"one of {PRECISIONS}", lambda v: v in PRECISIONS),
             (("device",), f"one of {DEVICE_CHOICES} or cuda:N", lambda v: str(v).split(":")[0] in DEVICE_CHOICES),
             (("resume",), "True, False, 'auto' or a checkpoint path", lambda v: isinstance(v, (bool, str, Path))),
@@ -156,115 +174,78 @@ def load_splits(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return load_tokens("train", cfg.data_dir), load_tokens("val", cfg.data_dir)
 
 
-def accumulate_gradients(model, micro_batches, *, amp_dtype=None, scaler=None, no_sync=None) -> torch.Tensor:
-    """Forward + backward over the micro-batches, adding up .grad; returns the mean loss (detached).
-
-    Each loss is divided by the number of micro-batches, so the summed gradient equals the gradient of
-    the mean loss over the whole batch. `no_sync` (e.g. DDP's model.no_sync) wraps all but the last
-    backward, so a data-parallel wrapper communicates once per step.
-    """
-    n = len(micro_batches)
-    loss_sum = torch.zeros((), device=micro_batches[0].device)
-    for i, idx in enumerate(micro_batches):
-        with no_sync() if no_sync is not None and i < n - 1 else nullcontext():
-            with autocast_context(idx.device, amp_dtype):
-                _, loss = model(idx, targets=idx)
-            scaled = loss / n
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        loss_sum += loss.detach().float()
-    return loss_sum / n
-
-
-def clip_gradients(parameters, max_norm: float | None) -> torch.Tensor:
-    """Scale gradients so their global L2 norm is at most max_norm (None/0: no clipping); returns the norm before."""
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm else float("inf"))
-
-
-def train_step(model, micro_batches, optimizer, scheduler=None, *, scaler=None, grad_clip=None, amp_dtype=None,
-               no_sync=None) -> dict:
-    """One optimizer step: accumulate, (unscale,) clip, step, advance the schedule, zero the grads.
-
-    Returns {"loss": mean micro-batch loss, "grad_norm": norm before clipping, "lr": lr used}.
-    """
-    lr = optimizer.param_groups[0]["lr"]
-    loss = accumulate_gradients(model, micro_batches, amp_dtype=amp_dtype, scaler=scaler, no_sync=no_sync)
-    if scaler is not None:
-        scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
-    grad_norm = clip_gradients(model.parameters(), grad_clip)
-    if scaler is not None:
-        scaler.step(optimizer)  # skips the step if the unscaled gradients hold inf/NaN
-        scaler.update()
-    else:
-        optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
-
-
-@torch.no_grad()
-def evaluate(model, tokens, *, batch_size: int, block_size: int, max_batches: int | None, amp_dtype=None) -> float:
-    """Mean loss over the first max_batches deterministic validation batches (eval mode, no grad)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, rows = 0.0, 0
-    for idx in eval_batches(tokens, batch_size, block_size, max_batches):
-        idx = idx.to(device)
-        with autocast_context(device, amp_dtype):
-            _, loss = model(idx, targets=idx)
-        total += loss.item() * idx.size(0)  # the last batch may be short: weight by rows
-        rows += idx.size(0)
-    model.train(was_training)
-    return total / rows
-
-
 def train(cfg: TrainConfig) -> dict:
     """Run (or continue) training; returns history, evals, model and paths (see the end of the function)."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    device = select_device(cfg.device)
+    rank, world_size, rank_log = 0, 1, None
+    if cfg.strategy == "ddp":
+        info = init_distributed(device="auto" if cfg.device in ("auto", "mps") else cfg.device.split(":")[0])
+        rank, world_size, device = info.rank, info.world_size, info.device
+        rank_log = setup_rank_logging(cfg.log_dir, console=False)  # the console has rank 0's bar
+    else:
+        device = select_device(cfg.device)
+    is_main = rank == 0
     amp_dtype = autocast_dtype(device, cfg.precision)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    remove_partial_files(out_dir)
+    if is_main:
+        remove_partial_files(out_dir)
     seed_everything(cfg.seed)
     config = build_model_config(cfg)
     model = GPT(config).to(device)
+    # DDP broadcasts rank 0's weights and all-reduces gradients in backward; `model` stays the plain module.
+    train_model = DistributedDataParallel(model) if cfg.strategy == "ddp" else model
+    no_sync = train_model.no_sync if cfg.strategy == "ddp" else None
     optimizer = configure_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_steps=cfg.max_steps)
     scaler = torch.amp.GradScaler(device.type) if needs_grad_scaler(device, amp_dtype) else None
     train_tokens, val_tokens = load_splits(cfg)
-    batches = RandomBatches(train_tokens, cfg.batch_size, config.block_size, seed=cfg.seed)
+    # Every rank draws the same global batch and keeps its own rows: disjoint data, one process's order.
+    batches = RandomBatches(train_tokens, cfg.batch_size * world_size, config.block_size, seed=cfg.seed)
+    my_rows = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
     start_step, resume_from = 0, resolve_resume(cfg.resume, out_dir)
     if resume_from is not None:
         ckpt = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         batches.load_state_dict(ckpt["data_state"])
         start_step = ckpt["step"]
-    elif removed := clear_checkpoints(out_dir):  # else --resume would later pick up the old run's latest.pt
+    elif is_main and (removed := clear_checkpoints(out_dir)):  # else --resume would later pick up the old run's latest.pt
         tqdm.write(f"note: fresh run in {out_dir}: removed {len(removed)} checkpoint files of an earlier run "
                    "(use --resume to continue a run instead)")
     last_step = cfg.stop_at_step or cfg.max_steps
-    tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * config.block_size
+    if world_size > 1:
+        dist.barrier()  # rank 0 has cleared or checked out_dir before anyone writes
+    tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * config.block_size * world_size
     train_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     history, evals, ckpt_path = [], [], None
-    logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard, resume_step=start_step if resume_from else None)
-    bar = tqdm(total=last_step, initial=start_step, desc="train", unit="step", disable=not cfg.progress,
+    logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard,
+                           resume_step=start_step if resume_from else None) if is_main else None
+    bar = tqdm(total=last_step, initial=start_step, desc="train", unit="step", disable=not cfg.progress or not is_main,
                dynamic_ncols=True)
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` = optimizer steps done after this iteration
             start = time.perf_counter()
-            micro_batches = [next(batches).to(device) for _ in range(cfg.grad_accum_steps)]
-            stats = train_step(model, micro_batches, optimizer, scheduler, scaler=scaler, grad_clip=cfg.grad_clip,
-                               amp_dtype=amp_dtype)
+            micro_batches = [next(batches)[my_rows].to(device) for _ in range(cfg.grad_accum_steps)]
+            stats = train_step(train_model, micro_batches, optimizer, scheduler, scaler=scaler,
+                               grad_clip=cfg.grad_clip, amp_dtype=amp_dtype, no_sync=no_sync)
+            if world_size > 1:  # each rank saw different rows: report the mean loss of the global batch
+                stats["local_loss"] = stats["loss"]
+                loss = torch.tensor([stats["loss"]], dtype=torch.float64)
+                dist.all_reduce(loss)
+                stats["loss"] = loss.item() / world_size
             elapsed = time.perf_counter() - start  # .item() in train_step waited for the device
             if not math.isfinite(stats["loss"]) and scaler is None:
                 raise FloatingPointError(f"loss is {stats['loss']} at step {step}: training diverged; lower lr "
                                          f"(now {stats['lr']:.3g}) or set grad_clip")
             record = {"kind": "train", "step": step, **stats, "tokens_per_s": tokens_per_step / elapsed,
                       "step_time_s": elapsed}
-            logger.log(record)
+            if logger:
+                logger.log(record)
+            if rank_log and (step % max(cfg.log_interval, 1) == 0 or step == last_step):
+                rank_log.info(f"step {step} | loss {stats['loss']:.4f} | local loss {stats.get('local_loss', stats['loss']):.4f}"
+                              f" | lr {stats['lr']:.2e} | grad norm {stats['grad_norm']:.3f} | "
+                              f"{record['tokens_per_s']:,.0f} tok/s (all ranks)")
             history.append(record)
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
@@ -272,27 +253,36 @@ def train(cfg: TrainConfig) -> dict:
                 bar.write(f"step {step:6d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
                           f"grad norm {stats['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s")
             if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == last_step:
-                val_loss = evaluate(model, val_tokens, batch_size=cfg.batch_size, block_size=config.block_size,
-                                    max_batches=cfg.eval_batches, amp_dtype=amp_dtype)
+                val_loss = evaluate(model, val_tokens, batch_size=cfg.batch_size * world_size,
+                                    block_size=config.block_size,
+                                    max_batches=cfg.eval_batches, amp_dtype=amp_dtype, rank=rank,
+                                    world_size=world_size)
                 evals.append({"kind": "eval", "step": step, "val_loss": val_loss})
-                logger.log(evals[-1])
+                if logger:
+                    logger.log(evals[-1])
+                if rank_log:
+                    rank_log.info(f"step {step} | val loss {val_loss:.4f}")
                 if cfg.log_interval:
                     bar.write(f"step {step:6d} | val loss {val_loss:.4f}")
-            if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step:
+            if ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step) and is_main:
                 ckpt_path = save_training_checkpoint(
                     out_dir, step=step, keep_last=cfg.keep_last, model=model, optimizer=optimizer,
                     scheduler=scheduler, scaler=scaler, data_state=batches.state_dict(),
                     extra={"train_config": train_config, "val_loss": evals[-1]["val_loss"] if evals else None})
+            if world_size > 1 and ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step):
+                dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
     finally:
         bar.close()
-        logger.close()
+        if logger:
+            logger.close()
     step_times = [r["step_time_s"] for r in history[3:] or history]  # the first steps warm up allocators
     return {
         "history": history, "evals": evals, "model": model, "model_config": config, "config": cfg,
         "start_step": start_step, "final_step": history[-1]["step"] if history else start_step,
         "final_val_loss": evals[-1]["val_loss"] if evals else None, "device": str(device),
         "median_tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
-        "out_dir": out_dir, "checkpoint": ckpt_path, "metrics_path": logger.path,
+        "out_dir": out_dir, "checkpoint": ckpt_path, "metrics_path": logger.path if logger else None,
+        "rank": rank, "world_size": world_size,
     }
 
 
@@ -316,9 +306,16 @@ def main(argv=None) -> dict:
         cfg = config_from_args(args)
     except ValueError as err:
         parser.error(str(err))
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    finally:
+        if cfg.strategy == "ddp":
+            cleanup()
+    if result["rank"] != 0:
+        return result
     val = result["final_val_loss"]
-    print(f"{result['model'].num_params():,}-parameter model on {result['device']}: steps {result['start_step']} -> "
+    ranks = f" x {result['world_size']} ranks" if result["world_size"] > 1 else ""
+    print(f"{result['model'].num_params():,}-parameter model on {result['device']}{ranks}: steps {result['start_step']} -> "
           f"{result['final_step']}" + (f", final val loss {val:.4f}" if val is not None else ""))
     if result["median_tokens_per_s"]:
         print(f"median {result['median_tokens_per_s']:,.0f} tokens/s ({torch.get_num_threads()} threads)")

@@ -88,6 +88,10 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options):
+    # Set here, not inherited: two launches from two threads of one caller must not see each other's values.
+    os.environ.update({key: str(value) for key, value in dict(
+        RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size, MASTER_ADDR=addr,
+        MASTER_PORT=port, OMP_NUM_THREADS=options["threads"]).items()})
     os.setpgrp()  # own process group: stopping this rank also stops anything it started
     _exit_with_parent(options["parent_pid"])
     log_path = Path(options["log_dir"]) / f"rank_{rank}" / "train.log"
@@ -126,8 +130,17 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
 
 
 # ---------------------------------------------------------------------------------------------- caller side
+_ENVIRONMENT_LOCK = threading.Lock()
+
+
 @contextmanager
 def _environment(values: dict):
+    """Temporarily set variables that a new interpreter must see before it imports torch (thread counts)."""
+    with _ENVIRONMENT_LOCK:
+        yield from _patched_environment(values)
+
+
+def _patched_environment(values: dict):
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update({key: str(value) for key, value in values.items()})
     try:
@@ -230,9 +243,7 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
-            env = dict(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
-                       MASTER_ADDR=master_addr, MASTER_PORT=store.port, OMP_NUM_THREADS=threads)
-            with _environment(env):
+            with _environment({"OMP_NUM_THREADS": threads}):
                 proc = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=False,
                                    args=(rank, world_size, master_addr, store.port, worker, args, kwargs,
                                          child_conn, options))

@@ -1,0 +1,30 @@
+"""nbgrader configuration for the course (read by every `nbgrader` command run from the repo root).
+
+solutions/<assignment>/*.ipynb are the instructor notebooks (nbgrader's "source" step);
+notebooks/<assignment>/*.ipynb are the student versions it generates (the "release" step).
+Use the wrappers rather than calling nbgrader directly:
+
+    python scripts/grading.py release        # solutions/ -> notebooks/ (make release)
+    python scripts/grading.py check-stale    # exit 1 if notebooks/ is out of date
+    python scripts/grading.py autograde      # grade submitted/<student>/<assignment>/*.ipynb (make autograde)
+"""
+
+c = get_config()  # noqa: F821 (injected by traitlets when nbgrader loads this file)
+
+c.CourseDirectory.course_id = "distributed-llm-training"
+c.CourseDirectory.source_directory = "solutions"
+c.CourseDirectory.release_directory = "notebooks"
+c.CourseDirectory.submitted_directory = "submitted"
+c.CourseDirectory.autograded_directory = "autograded"
+c.CourseDirectory.feedback_directory = "feedback"
+# Outputs a notebook may leave next to itself must never be copied into a release or a submission.
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "runs", "logs"]
+
+# What a learner sees in place of a solution region (nbgrader's default, spelled out).
+c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
+c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+
+# Graded notebooks run in seconds; a cell that takes minutes is stuck, not slow.
+c.Execute.timeout = 120
+# Kernel: nbgrader starts the notebooks' `python3` kernel with the interpreter that runs nbgrader, so
+# run it as `.venv/bin/python -m nbgrader` (scripts/grading.py does): course_lib must be importable there.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
 import time
@@ -292,10 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_dataclass_arguments(parser, TrainConfig, special={"resume": dict(
         nargs="?", const=True, type=lambda text: {"true": True, "false": False}.get(text.lower(), text))})
+    # The DeepSpeed launcher (and old torch.distributed.launch) pass the local rank in argv, not the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="set by `deepspeed` / torch.distributed.launch; copied to $LOCAL_RANK")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
 
 

@@ -51,6 +51,9 @@ def test_valid_and_without_outputs(path):
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, \
                 f"{ident(path)}, cell {cell.get('id')}: outputs are stored; clear them before committing"
+            assert "raises-exception" not in cell.metadata.get("tags", []), (
+                f"{ident(path)}, cell {cell.get('id')}: papermill stops at any error; wrap code that fails on "
+                "purpose in `with course_lib.nbtools.expect_error(...)` instead of tagging it raises-exception")
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=ident)

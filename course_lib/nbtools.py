@@ -1,0 +1,44 @@
+"""Two small conveniences for the course notebooks.
+
+`repo_root()` finds the repository, so relative paths such as runs/ and data/ mean the same place whether a
+notebook is opened from its own folder, from the repository root, or run by papermill elsewhere.
+
+`expect_error()` runs a block that fails on purpose (a lesson about reading error messages) and prints the
+error the way Jupyter would, without stopping the notebook: papermill and nbgrader then run the notebook end
+to end, and the reader still sees the traceback.
+
+    with expect_error(ValueError):
+        GPTConfig(n_embd=100, n_head=3)
+"""
+
+from __future__ import annotations
+
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+import course_lib
+
+
+def repo_root(start: str | Path | None = None) -> Path:
+    """The folder holding config/config.json: start (default cwd), its parents, or course_lib's parent."""
+    here = Path(start or Path.cwd()).resolve()
+    package_parent = Path(course_lib.__file__).resolve().parent.parent
+    for candidate in (here, *here.parents, package_parent):
+        if (candidate / "config" / "config.json").is_file():
+            return candidate
+    return here
+
+
+@contextmanager
+def expect_error(*error_types: type[BaseException]):
+    """Catch and print the error the block raises (of error_types, default any Exception)."""
+    try:
+        yield
+    except error_types or Exception as err:
+        frames = traceback.extract_tb(err.__traceback__)[1:]  # drop this context manager's own frame
+        print("Traceback (most recent call last):")
+        print("".join(traceback.format_list(frames[-6:])), end="")
+        print(f"{type(err).__name__}: {err}")
+    else:
+        print("no error was raised")

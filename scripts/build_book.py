@@ -1,0 +1,166 @@
+"""Build the course book (Jupyter Book 1) offline, with every Sphinx warning an error.
+
+    .venv/bin/python scripts/build_book.py                 # execute the notebooks (cached), build _build/html
+    .venv/bin/python scripts/build_book.py --no-execute    # render notebooks as stored: fast, for tests
+    .venv/bin/python scripts/build_book.py --path /tmp/copy --out /tmp/book --no-execute
+
+`make book` runs the first line. Notebooks are executed as _config.yml says (`execute_notebooks: cache`:
+once, then re-used from <out>/_build/.jupyter_cache until their code changes); the graded exercise
+notebooks listed under `execute: exclude_patterns` are shown unexecuted. After Sphinx, every page is
+checked for <script src> / <link href> pointing off the machine, and the vendored MathJax must be there.
+Exits non-zero if anything fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from html.parser import HTMLParser
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MATHJAX_IN_OUTPUT = Path("_static") / "mathjax" / "tex-chtml.js"
+# -W: warnings are errors; -n: nit-picky, unresolved references warn (and so fail);
+# --keep-going: report every warning, then fail; --all: re-read every page, so a warning in a page that
+# did not change since the last build is reported again instead of hidden by Sphinx's incremental build.
+JB_FLAGS = ["-W", "-n", "--keep-going", "--all"]
+
+
+def toc_files(toc: dict) -> list[str]:
+    """Every `file:` entry of a jb-book _toc.yml, in reading order (root first)."""
+    found = [toc["root"]]
+
+    def walk(entries):
+        for entry in entries or []:
+            if "file" in entry:
+                found.append(entry["file"])
+            walk(entry.get("sections"))
+            walk(entry.get("chapters"))
+            for sub in entry.get("subtrees", []) or []:
+                walk(sub.get("entries"))
+
+    walk(toc.get("parts"))
+    walk(toc.get("chapters"))
+    return found
+
+
+def source_of(source_dir: Path, docname: str) -> Path | None:
+    """The file a TOC entry names (entries have no suffix), or None if there is none."""
+    for suffix in ("", ".md", ".ipynb", ".rst"):
+        candidate = source_dir / f"{docname}{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def missing_toc_files(source_dir: Path) -> list[str]:
+    toc = yaml.safe_load((source_dir / "_toc.yml").read_text(encoding="utf-8"))
+    return [name for name in toc_files(toc) if source_of(source_dir, name) is None]
+
+
+class _RemoteAssetFinder(HTMLParser):
+    """Collects <script src=...> and <link href=...> that point to another host."""
+
+    def __init__(self):
+        super().__init__()
+        self.remote: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        url = attrs.get("src") if tag == "script" else attrs.get("href") if tag == "link" else None
+        if url and url.strip().lower().startswith(("http:", "https:", "//")):
+            self.remote.append(f"<{tag}> {url}")
+
+
+def remote_assets(html_dir: Path) -> dict[str, list[str]]:
+    """{page: [remote script/stylesheet urls]} for every HTML page of the build."""
+    found = {}
+    for page in sorted(html_dir.rglob("*.html")):
+        finder = _RemoteAssetFinder()
+        finder.feed(page.read_text(encoding="utf-8", errors="replace"))
+        if finder.remote:
+            found[str(page.relative_to(html_dir))] = finder.remote
+    return found
+
+
+def config_without_execution(source_dir: Path, scratch: Path) -> Path:
+    """A copy of _config.yml with notebook execution off (passed to jupyter-book with --config)."""
+    config = yaml.safe_load((source_dir / "_config.yml").read_text(encoding="utf-8"))
+    config.setdefault("execute", {})["execute_notebooks"] = "off"
+    path = scratch / "_config_no_execute.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return path
+
+
+def jupyter_book_command() -> list[str]:
+    """The jupyter-book of the interpreter running this script (the course .venv under `make book`)."""
+    beside = Path(sys.executable).parent / "jupyter-book"
+    if beside.is_file():
+        return [str(beside)]
+    found = shutil.which("jupyter-book")
+    if found is None:
+        sys.exit("jupyter-book is not installed in this environment: run `make venv` (or `make book`)")
+    return [found]
+
+
+def build(source_dir: Path, out_dir: Path, execute: bool) -> int:
+    source_dir, out_dir = source_dir.resolve(), out_dir.resolve()
+    for required in ("_config.yml", "_toc.yml"):
+        if not (source_dir / required).is_file():
+            print(f"error: {source_dir / required} not found (--path must be the book's root)", file=sys.stderr)
+            return 2
+    missing = missing_toc_files(source_dir)
+    if missing:
+        print(f"error: _toc.yml lists files that do not exist in {source_dir}: {missing}", file=sys.stderr)
+        return 2
+
+    # The notebook kernel must be this environment's Python: put its bin/ first on PATH.
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # keeps the kernel's debugger notice off stderr
+
+    with tempfile.TemporaryDirectory(prefix="book-config-") as scratch:
+        command = [*jupyter_book_command(), "build", str(source_dir), "--path-output", str(out_dir), *JB_FLAGS]
+        if not execute:
+            command += ["--config", str(config_without_execution(source_dir, Path(scratch)))]
+        print("+", " ".join(command), flush=True)
+        status = subprocess.run(command, cwd=source_dir, env=env).returncode
+    if status != 0:
+        print(f"error: jupyter-book build failed (exit code {status}); the warnings above say why", file=sys.stderr)
+        return status
+
+    html_dir = out_dir / "_build" / "html"
+    problems = []
+    if not (html_dir / "index.html").is_file():
+        problems.append(f"{html_dir / 'index.html'} was not produced")
+    if not (html_dir / MATHJAX_IN_OUTPUT).is_file():
+        problems.append(f"the vendored MathJax {html_dir / MATHJAX_IN_OUTPUT} is missing")
+    for page, urls in remote_assets(html_dir).items():
+        problems.append(f"{page} loads from the network: {', '.join(urls)}")
+    if problems:
+        print("error: the book is not self-contained:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    print(f"Book ready: {(html_dir / 'index.html').as_uri()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--path", type=Path, default=REPO_ROOT,
+                        help="book root holding _config.yml and _toc.yml (default: the repository)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output root; the HTML goes to OUT/_build/html (default: the book root)")
+    parser.add_argument("--no-execute", action="store_true",
+                        help="do not execute notebooks: render them with the outputs they are stored with")
+    args = parser.parse_args(argv)
+    return build(args.path, args.out or args.path, execute=not args.no_execute)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

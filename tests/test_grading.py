@@ -1,18 +1,26 @@
 """The grading pipeline: notebooks/ is a fresh, byte-stable release of solutions/ without solutions or
-hidden tests, and autograding gives full marks to the solutions, 0 to the untouched release, and takes
-away exactly the points of an exercise answered wrongly.
+hidden tests, and autograding every graded notebook gives full marks to its solutions, 0 to its untouched
+release, and takes away exactly the points of an exercise answered wrongly.
 
     .venv/bin/python -m pytest -q tests/test_grading.py
 
-Slow (~1-2 minutes on 2 idle cores): nbgrader executes the graded notebook once per submission
-(11 of them). Grading happens in scratch course directories, so the tests never write gradebook.db,
-submitted/ or autograded/ into the repository.
+Each graded notebook is a GradedNotebook below with its table of plausible wrong answers; a notebook
+with autograded cells but no entry fails test_every_graded_notebook_declares_its_wrong_answers.
+
+Slow: nbgrader executes each graded notebook once per submission: the solutions, the untouched
+release, each exercise's first wrong answer alone, and the other wrong answers combined (at most one
+per exercise in a submission). That is 11 executions of session_a's notebook and 10 of session_b's,
+whose tests start 5 ranks per execution (two launches). The file uses about 3 minutes of CPU; on 2
+cores shared with other jobs (load ~8) it took 6.5 minutes, of which grading session_a's notebook
+alone takes about 2 and session_b's about 4. Grading happens in scratch course directories, so the
+tests never write gradebook.db, submitted/ or autograded/ into the repository.
 """
 
 from __future__ import annotations
 
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -23,19 +31,42 @@ import grading  # scripts/ is on sys.path (tests/conftest.py)
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ASSIGNMENT = "session_a"
-GRADED = "02_model_from_scratch"
-SOURCE = REPO_ROOT / "solutions" / ASSIGNMENT / f"{GRADED}.ipynb"
-STUDENT_VERSION = REPO_ROOT / "notebooks" / ASSIGNMENT / f"{GRADED}.ipynb"
 SOURCES = sorted((REPO_ROOT / "solutions").glob("*/*.ipynb"))
+SCRATCH_COURSES = 2  # graded side by side, one kernel at a time in each
 
-# Plausible wrong answers, each written into one exercise of an otherwise correct submission:
-# name -> (solution cell, test cell that must lose its points, [(text of the solution, wrong text), ...]).
-# The first wrong answer of each exercise is graded alone, which shows it costs that exercise's points
-# and nothing else; the others are graded together, at most one per exercise in a submission (the
-# test cells are independent: each calls only its own exercise's code, exercise 3 with the library's
-# rotate_half), which keeps the number of notebook executions small.
-WRONG_ANSWERS = {
+WrongAnswers = dict[str, tuple[str, str, list[tuple[str, str]]]]
+"""name -> (solution cell, test cell that must lose its points, [(text of the solution, wrong text), ...])."""
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity (the table is a dict)
+class GradedNotebook:
+    """A notebook with autograded cells, and plausible wrong answers, each written into one exercise of an
+    otherwise correct submission.
+
+    The first wrong answer of each exercise is graded alone, which shows it costs that exercise's points
+    and nothing else; the others are graded together, at most one per exercise in a submission (the test
+    cells are independent: each calls only its own exercise's code), which keeps the number of notebook
+    executions small.
+    """
+
+    assignment: str
+    name: str
+    wrong_answers: WrongAnswers
+
+    @property
+    def source(self) -> Path:
+        return REPO_ROOT / "solutions" / self.assignment / f"{self.name}.ipynb"
+
+    @property
+    def student_version(self) -> Path:
+        return REPO_ROOT / "notebooks" / self.assignment / f"{self.name}.ipynb"
+
+    def __str__(self) -> str:
+        return f"{self.assignment}/{self.name}"
+
+
+# Exercise 3's tests run with the library's rotate_half, so exercise 2's mistakes cost only exercise 2.
+MODEL_FROM_SCRATCH = GradedNotebook("session_a", "02_model_from_scratch", {
     "rmsnorm_eps_outside_the_root": ("ex1_rmsnorm", "ex1_rmsnorm_tests", [
         ("torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)",
          "1 / (x32.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)")]),
@@ -73,7 +104,76 @@ WRONG_ANSWERS = {
          "            else:\n"
          "                x = block(x, cos, sin)",
          "            x = block(x, cos, sin)")]),
-}
+})
+
+# Exercise 10's tests use the library's optimizer and schedule; the distributed tests run on real ranks.
+TRAINER_EXERCISES = GradedNotebook("session_b", "05_trainer_exercises", {
+    "optimizer_decay_chosen_by_name": ("ex8_optimizer", "ex8_optimizer_tests", [
+        ("if param.dim() >= 2:", 'if "norm" not in name:')]),
+    "optimizer_norms_decayed": ("ex8_optimizer", "ex8_optimizer_tests", [
+        ("            no_decay.append(param)", "            decay.append(param)")]),
+    "optimizer_tied_weight_listed_twice": ("ex8_optimizer", "ex8_optimizer_tests", [
+        ("    for name, param in model.named_parameters():",
+         "    for module in model.modules():\n"
+         "      for name, param in module.named_parameters(recurse=False):")]),
+    "lr_warmup_starts_at_zero": ("ex9_get_lr", "ex9_get_lr_tests", [
+        ("max_lr * (step + 1) / warmup_steps", "max_lr * step / warmup_steps")]),
+    "lr_cosine_decays_to_zero": ("ex9_get_lr", "ex9_get_lr_tests", [
+        ("min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)",
+         "0.5 * (1.0 + math.cos(math.pi * progress)) * max_lr")]),
+    "lr_progress_over_max_steps": ("ex9_get_lr", "ex9_get_lr_tests", [
+        ("(step - warmup_steps) / (max_steps - warmup_steps)", "(step - warmup_steps) / max_steps")]),
+    "step_loss_not_divided": ("ex10_train_step", "ex10_train_step_tests", [
+        ("(loss / n).backward()", "loss.backward()")]),
+    "step_no_sync_on_the_last_micro_batch": ("ex10_train_step", "ex10_train_step_tests", [
+        ("no_sync() if no_sync is not None and i < n - 1 else nullcontext()",
+         "no_sync() if no_sync is not None else nullcontext()")]),
+    "step_zero_grad_before_step": ("ex10_train_step", "ex10_train_step_tests", [
+        ("    optimizer.step()\n"
+         "    if scheduler is not None:\n"
+         "        scheduler.step()\n"
+         "    optimizer.zero_grad(set_to_none=True)\n",
+         "    optimizer.zero_grad(set_to_none=True)\n"
+         "    optimizer.step()\n"
+         "    if scheduler is not None:\n"
+         "        scheduler.step()\n")]),
+    "checkpoint_optimizer_not_restored": ("ex11_checkpoint", "ex11_checkpoint_tests", [
+        ('    optimizer.load_state_dict(state["optimizer"])\n', "")]),
+    "checkpoint_saves_the_ddp_wrapper": ("ex11_checkpoint", "ex11_checkpoint_tests", [
+        ('    if hasattr(model, "module"):  # DistributedDataParallel: save the model inside, without "module." '
+         'in the keys\n        model = model.module\n', "")]),
+    "checkpoint_written_in_place": ("ex11_checkpoint", "ex11_checkpoint_tests", [
+        ('    tmp = path.with_name(path.name + ".tmp")\n'
+         "    torch.save(state, tmp)\n"
+         "    os.replace(tmp, path)  # the old checkpoint stays whole until the new one is complete",
+         "    torch.save(state, path)")]),
+    "average_sums_without_dividing": ("dp1_average_gradients", "dp1_average_gradients_tests", [
+        ("            param.grad /= world_size\n", "")]),
+    "average_reduces_the_loss": ("dp1_average_gradients", "dp1_average_gradients_tests", [
+        ("    loss.backward()\n"
+         "    world_size = dist.get_world_size()\n"
+         "    for param in model.parameters():\n"
+         "        if param.grad is not None:\n"
+         "            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)\n"
+         "            param.grad /= world_size\n",
+         "    dist.all_reduce(loss, op=dist.ReduceOp.SUM)\n"
+         "    (loss / dist.get_world_size()).backward()\n")]),
+    "average_frozen_parameters_not_skipped": ("dp1_average_gradients", "dp1_average_gradients_tests", [
+        ("        if param.grad is not None:\n"
+         "            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)\n"
+         "            param.grad /= world_size\n",
+         "        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)\n"
+         "        param.grad /= world_size\n")]),
+    "shard_contiguous_blocks": ("dp2_shard_indices", "dp2_shard_indices_tests", [
+        ("indices[rank::world_size]", "indices[rank * per_rank:(rank + 1) * per_rank]")]),
+    "shard_without_padding": ("dp2_shard_indices", "dp2_shard_indices_tests", [
+        ("    indices += indices[:per_rank * world_size - num_samples]  # pad by repeating the start\n", "")]),
+    "shard_epoch_ignored": ("dp2_shard_indices", "dp2_shard_indices_tests", [
+        ("manual_seed(seed + epoch)", "manual_seed(seed)")]),
+})
+
+GRADED = [MODEL_FROM_SCRATCH, TRAINER_EXERCISES]
+WRONG = [(notebook, name) for notebook in GRADED for name in notebook.wrong_answers]
 
 
 def grade_id(cell) -> str | None:
@@ -92,10 +192,10 @@ def without_markers(source: str) -> str:
                      if not line.strip().startswith(("### BEGIN SOLUTION", "### END SOLUTION")))
 
 
-def submissions_of_wrong_answers() -> dict[str, list[str]]:
+def submissions_of_wrong_answers(wrong_answers: WrongAnswers) -> dict[str, list[str]]:
     """{student: wrong answers in that submission}: first of each exercise alone, then the rest combined."""
     by_exercise: dict[str, list[str]] = {}
-    for name, (solution_cell, _, _) in WRONG_ANSWERS.items():
+    for name, (solution_cell, _, _) in wrong_answers.items():
         by_exercise.setdefault(solution_cell, []).append(name)
     students = {f"wrong-{names[0]}": [names[0]] for names in by_exercise.values()}
     for rank in range(1, max(len(names) for names in by_exercise.values())):
@@ -103,58 +203,84 @@ def submissions_of_wrong_answers() -> dict[str, list[str]]:
     return students
 
 
-WRONG_SUBMISSIONS = submissions_of_wrong_answers()
+WRONG_SUBMISSIONS = {str(notebook): submissions_of_wrong_answers(notebook.wrong_answers) for notebook in GRADED}
 
 
-def answered(wrong_answers: list[str]):
+def answered(notebook: GradedNotebook, wrong_answers: list[str]):
     """The student version with every exercise answered by the solution, except the named wrong answers."""
-    solutions = {grade_id(c): c.source for c in nbformat.read(SOURCE, as_version=4).cells if grade_id(c)}
-    edits = {WRONG_ANSWERS[name][0]: WRONG_ANSWERS[name][2] for name in wrong_answers}
+    solutions = {grade_id(c): c.source for c in nbformat.read(notebook.source, as_version=4).cells if grade_id(c)}
+    edits = {notebook.wrong_answers[name][0]: notebook.wrong_answers[name][2] for name in wrong_answers}
     assert len(edits) == len(wrong_answers), f"two wrong answers for one exercise in {wrong_answers}"
-    nb = nbformat.read(STUDENT_VERSION, as_version=4)
+    nb = nbformat.read(notebook.student_version, as_version=4)
     for cell in nb.cells:
         if cell.metadata.get("nbgrader", {}).get("solution"):
             code = without_markers(solutions[grade_id(cell)])
             for right, wrong in edits.get(grade_id(cell), []):
-                assert code.count(right) == 1, (
-                    f"the solution of {grade_id(cell)} no longer contains {right!r} exactly once: update WRONG_ANSWERS")
+                assert code.count(right) == 1, (f"{notebook}: the solution of {grade_id(cell)} no longer contains "
+                                                f"{right!r} exactly once: update its wrong answers")
                 code = code.replace(right, wrong)
             cell.source = code
     return nb
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    """Autograde the solutions, the untouched release and the wrong-answer submissions.
+@dataclass
+class Grades:
+    """One graded notebook's results: student -> test cell id -> (score, max_score) / text the cell printed."""
 
-    The submissions are split over two scratch courses graded side by side (one nbgrader run each,
-    one kernel at a time per run; the notebook's own tensors use one thread). Returns
-    (scores per student, {student: {test cell id: text the cell printed}}).
+    scores: dict[str, dict[str, tuple[float, float]]]
+    printed: dict[str, dict[str, str]]
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory) -> dict[str, Grades]:
+    """Autograde, for every graded notebook, its solutions, its untouched release and its wrong-answer submissions.
+
+    All submissions are spread over SCRATCH_COURSES scratch courses graded side by side (one nbgrader
+    run per course and assignment, one kernel at a time per run; the notebooks' own tensors use one
+    thread). Returns {"<assignment>/<notebook>": Grades}.
     """
-    submissions = {"solutions": nbformat.read(SOURCE, as_version=4),
-                   "untouched": nbformat.read(STUDENT_VERSION, as_version=4)}
-    submissions.update({student: answered(names) for student, names in WRONG_SUBMISSIONS.items()})
-    courses = [grading.stage_course(REPO_ROOT, tmp_path_factory.mktemp("course"), [ASSIGNMENT]) for _ in range(2)]
-    course_of = {student: courses[i % len(courses)] for i, student in enumerate(submissions)}
-    for student, nb in submissions.items():
-        path = course_of[student] / "submitted" / student / ASSIGNMENT / f"{GRADED}.ipynb"
+    jobs = []
+    for notebook in GRADED:
+        submissions = {"solutions": nbformat.read(notebook.source, as_version=4),
+                       "untouched": nbformat.read(notebook.student_version, as_version=4)}
+        submissions.update({student: answered(notebook, names) for student, names in WRONG_SUBMISSIONS[str(notebook)].items()})
+        jobs += [(notebook, student, nb) for student, nb in submissions.items()]
+    assignment_ids = sorted({notebook.assignment for notebook in GRADED})
+    courses = [grading.stage_course(REPO_ROOT, tmp_path_factory.mktemp("course"), assignment_ids)
+               for _ in range(SCRATCH_COURSES)]
+    course_of = {}
+    for i, (notebook, student, nb) in enumerate(jobs):  # alternate, so each course gets half of every notebook
+        course_of[notebook, student] = courses[i % len(courses)]
+        path = courses[i % len(courses)] / "submitted" / student / notebook.assignment / f"{notebook.name}.ipynb"
         path.parent.mkdir(parents=True)
         nbformat.write(nb, path)
     with ThreadPoolExecutor(len(courses)) as pool:
-        scores = {}
-        for part in pool.map(lambda course: grading.autograde(course, ASSIGNMENT), courses):
-            scores.update(part)
-    printed = {}
-    for student, course in course_of.items():
-        nb = nbformat.read(course / "autograded" / student / ASSIGNMENT / f"{GRADED}.ipynb", as_version=4)
+        by_course = dict(zip(courses, pool.map(grading.autograde, courses)))
+    results = {str(notebook): Grades({}, {}) for notebook in GRADED}
+    for (notebook, student), course in course_of.items():
+        grades = results[str(notebook)]
+        grades.scores[student] = by_course[course][student][notebook.assignment][notebook.name]
+        nb = nbformat.read(course / "autograded" / student / notebook.assignment / f"{notebook.name}.ipynb", as_version=4)
         # Printed text only: a traceback quotes the test's source, including its success messages.
-        printed[student] = {grade_id(c): "".join(o.text for o in c.outputs if o.output_type == "stream")
-                            for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")}
-    return scores, printed
+        grades.printed[student] = {grade_id(c): "".join(o.text for o in c.outputs if o.output_type == "stream")
+                                   for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")}
+    return results
 
 
-def cell_scores(graded, student: str) -> dict[str, tuple[float, float]]:
-    return graded[0][student][ASSIGNMENT][GRADED]
+def test_every_graded_notebook_declares_its_wrong_answers():
+    with_graded_cells = {path for path in SOURCES if points(path)}
+    assert with_graded_cells == {notebook.source for notebook in GRADED}, (
+        "every notebook with autograded cells needs a GradedNotebook entry (with its wrong answers) in GRADED: "
+        f"{sorted(str(p.relative_to(REPO_ROOT)) for p in with_graded_cells ^ {n.source for n in GRADED})}")
+
+
+@pytest.mark.parametrize("notebook", GRADED, ids=str)
+def test_wrong_answers_name_a_solution_cell_and_its_test_cell(notebook):
+    cells = {grade_id(c): c.metadata.nbgrader for c in nbformat.read(notebook.source, as_version=4).cells if grade_id(c)}
+    for name, (solution_cell, test_cell, edits) in notebook.wrong_answers.items():
+        assert cells.get(solution_cell, {}).get("solution"), f"{notebook}, {name}: {solution_cell} is not a solution cell"
+        assert cells.get(test_cell, {}).get("grade"), f"{notebook}, {name}: {test_cell} is not an autograded test cell"
+        assert edits and all(right != wrong for right, wrong in edits), f"{notebook}, {name}: no edit"
 
 
 # ------------------------------------------------------------------ release
@@ -173,14 +299,15 @@ def test_release_is_not_stale(fresh_release):
 
 
 def test_stale_and_orphan_notebooks_are_reported(fresh_release, tmp_path):
+    assignment, name = MODEL_FROM_SCRATCH.assignment, MODEL_FROM_SCRATCH.name
     shutil.copytree(REPO_ROOT / "solutions", tmp_path / "solutions")
     shutil.copytree(fresh_release, tmp_path / "notebooks")
     assert grading.compare_release(fresh_release, tmp_path) == []
-    edited = tmp_path / "notebooks" / ASSIGNMENT / f"{GRADED}.ipynb"
+    edited = tmp_path / "notebooks" / assignment / f"{name}.ipynb"
     edited.write_text(edited.read_text().replace("raise NotImplementedError()", "pass", 1))
-    shutil.copyfile(edited, tmp_path / "notebooks" / ASSIGNMENT / "99_no_source.ipynb")
+    shutil.copyfile(edited, tmp_path / "notebooks" / assignment / "99_no_source.ipynb")
     assert grading.compare_release(fresh_release, tmp_path) == [
-        f"notebooks/{ASSIGNMENT}/{GRADED}.ipynb", f"notebooks/{ASSIGNMENT}/99_no_source.ipynb"]
+        f"notebooks/{assignment}/{name}.ipynb", f"notebooks/{assignment}/99_no_source.ipynb"]
 
 
 def test_release_twice_gives_identical_files(fresh_release, tmp_path):
@@ -221,55 +348,64 @@ def test_release_contains_no_solution_and_no_hidden_test(source):
 
 # ------------------------------------------------------------------ autograde
 
-def test_solutions_score_full_marks(graded):
-    expected = points(SOURCE)
-    got = cell_scores(graded, "solutions")
+@pytest.mark.parametrize("notebook", GRADED, ids=str)
+def test_solutions_score_full_marks(graded, notebook):
+    grades, expected = graded[str(notebook)], points(notebook.source)
+    got = grades.scores["solutions"]
     assert set(got) == set(expected), f"graded cells {sorted(got)} != test cells of the notebook {sorted(expected)}"
     lost = {cell: score for cell, score in got.items() if score != (expected[cell], expected[cell])}
-    assert not lost, f"the solutions lose points: {lost}\n{ {c: graded[1]['solutions'][c] for c in lost} }"
+    assert not lost, f"{notebook}: the solutions lose points: {lost}\n{ {c: grades.printed['solutions'][c] for c in lost} }"
 
 
-def test_untouched_release_scores_zero_on_every_graded_cell(graded):
-    got = cell_scores(graded, "untouched")
-    assert set(got) == set(points(SOURCE))
+@pytest.mark.parametrize("notebook", GRADED, ids=str)
+def test_untouched_release_scores_zero_on_every_graded_cell(graded, notebook):
+    got = graded[str(notebook)].scores["untouched"]
+    assert set(got) == set(points(notebook.source))
     assert all(max_score > 0 for _, max_score in got.values())
     assert {cell: score for cell, (score, _) in got.items() if score != 0} == {}
 
 
-@pytest.mark.parametrize("name", list(WRONG_ANSWERS))
-def test_wrong_answer_loses_exactly_its_exercise(graded, name):
-    student = next(s for s, names in WRONG_SUBMISSIONS.items() if name in names)
-    wrong_cells = {WRONG_ANSWERS[n][1] for n in WRONG_SUBMISSIONS[student]}
-    test_cell = WRONG_ANSWERS[name][1]
-    expected = points(SOURCE)
-    got = cell_scores(graded, student)
+@pytest.mark.parametrize(("notebook", "name"), WRONG, ids=[f"{notebook.name}:{name}" for notebook, name in WRONG])
+def test_wrong_answer_loses_exactly_its_exercise(graded, notebook, name):
+    submissions = WRONG_SUBMISSIONS[str(notebook)]
+    student = next(s for s, names in submissions.items() if name in names)
+    wrong_cells = {notebook.wrong_answers[n][1] for n in submissions[student]}
+    test_cell = notebook.wrong_answers[name][1]
+    expected = points(notebook.source)
+    grades = graded[str(notebook)]
+    got = grades.scores[student]
     assert got[test_cell] == (0.0, expected[test_cell]), \
-        f"{name}: {test_cell} should score 0, got {got[test_cell]}; it printed:\n{graded[1][student][test_cell]}"
+        f"{name}: {test_cell} should score 0, got {got[test_cell]}; it printed:\n{grades.printed[student][test_cell]}"
     others = {cell: score for cell, score in got.items() if cell not in wrong_cells and score != (expected[cell], expected[cell])}
     assert not others, f"{name}: exercises answered correctly lost points too: {others}"
 
 
-def test_every_exercise_has_a_wrong_answer_graded_alone():
-    alone = {WRONG_ANSWERS[names[0]][1] for names in WRONG_SUBMISSIONS.values() if len(names) == 1}
-    assert alone == set(points(SOURCE))
+@pytest.mark.parametrize("notebook", GRADED, ids=str)
+def test_every_exercise_has_a_wrong_answer_graded_alone(notebook):
+    alone = {notebook.wrong_answers[names[0]][1] for names in WRONG_SUBMISSIONS[str(notebook)].values() if len(names) == 1}
+    assert alone == set(points(notebook.source))
 
 
-def test_hidden_tests_of_every_exercise_catch_a_wrong_answer_the_visible_tests_miss(graded):
+@pytest.mark.parametrize("notebook", GRADED, ids=str)
+def test_hidden_tests_of_every_exercise_catch_a_wrong_answer_the_visible_tests_miss(graded, notebook):
     """For each exercise, some wrong answer passes the visible tests and is caught only by the hidden ones."""
     caught_by_hidden = set()
-    for student, names in WRONG_SUBMISSIONS.items():
+    for student, names in WRONG_SUBMISSIONS[str(notebook)].items():
         for name in names:
-            test_cell = WRONG_ANSWERS[name][1]
-            printed = graded[1][student][test_cell]
+            test_cell = notebook.wrong_answers[name][1]
+            printed = graded[str(notebook)].printed[student][test_cell]
             if "visible tests passed" in printed and "hidden tests passed" not in printed:
                 caught_by_hidden.add(test_cell)
-    missing = sorted(set(points(SOURCE)) - caught_by_hidden)
-    assert not missing, f"no wrong answer is caught by the hidden tests alone for: {missing}"
+    missing = sorted(set(points(notebook.source)) - caught_by_hidden)
+    assert not missing, f"{notebook}: no wrong answer is caught by the hidden tests alone for: {missing}"
 
 
 def test_score_table(graded):
-    table = grading.format_scores({"solutions": graded[0]["solutions"]})
+    scores = {"solutions": {notebook.assignment: {notebook.name: graded[str(notebook)].scores["solutions"]}
+                            for notebook in GRADED}}
+    table = grading.format_scores(scores)
     rows = [line.split() for line in table.splitlines()]
-    total = f"{sum(points(SOURCE).values()):g}"
-    assert ["solutions", ASSIGNMENT, GRADED, "TOTAL", total, "/", total] in rows, table
-    assert {row[3] for row in rows[1:]} == set(points(SOURCE)) | {"TOTAL"}, table
+    for notebook in GRADED:
+        total = f"{sum(points(notebook.source).values()):g}"
+        assert ["solutions", notebook.assignment, notebook.name, "TOTAL", total, "/", total] in rows, table
+        assert {row[3] for row in rows[1:] if row[2] == notebook.name} == set(points(notebook.source)) | {"TOTAL"}, table

@@ -172,7 +172,29 @@ TRAINER_EXERCISES = GradedNotebook("session_b", "05_trainer_exercises", {
         ("manual_seed(seed + epoch)", "manual_seed(seed)")]),
 })
 
-GRADED = [MODEL_FROM_SCRATCH, TRAINER_EXERCISES]
+# Exercise 3's tests run with the library's expand_nodelist, so exercise 2's mistakes cost only exercise 2.
+CLUSTER_EXERCISES = GradedNotebook("session_c", "02_cluster_exercises", {
+    "node_rank_one_based": ("cl1_node_rank_range", "cl1_node_rank_range_tests", [
+        ("first = node_rank * nproc_per_node", "first = (node_rank - 1) * nproc_per_node")]),
+    "node_rank_range_end_inclusive": ("cl1_node_rank_range", "cl1_node_rank_range_tests", [
+        ("range(first, first + nproc_per_node)", "range(first, first + nproc_per_node + 1)")]),
+    "node_rank_not_checked_against_nnodes": ("cl1_node_rank_range", "cl1_node_rank_range_tests", [
+        ("if node_rank < 0 or (nnodes is not None and node_rank >= nnodes):", "if node_rank < 0:")]),
+    "nodelist_split_on_every_comma": ("cl2_expand_nodelist", "cl2_expand_nodelist_tests", [
+        ("for pattern in split_outside_brackets(nodelist):", 'for pattern in nodelist.split(","):')]),
+    "nodelist_zero_padding_lost": ("cl2_expand_nodelist", "cl2_expand_nodelist_tests", [
+        ("str(n).zfill(len(low))", "str(n)")]),
+    "nodelist_padding_from_the_high_end": ("cl2_expand_nodelist", "cl2_expand_nodelist_tests", [
+        ("str(n).zfill(len(low))", "str(n).zfill(len(high))")]),
+    "master_addr_last_host": ("cl3_slurm_to_torch_env", "cl3_slurm_to_torch_env_tests", [
+        ('environ.get("MASTER_ADDR") or hosts[0]', 'environ.get("MASTER_ADDR") or hosts[-1]')]),
+    "local_rank_from_procid": ("cl3_slurm_to_torch_env", "cl3_slurm_to_torch_env_tests", [
+        ('"LOCAL_RANK": require("SLURM_LOCALID")', '"LOCAL_RANK": require("SLURM_PROCID")')]),
+    "master_port_ignores_job_id": ("cl3_slurm_to_torch_env", "cl3_slurm_to_torch_env_tests", [
+        ('29500 + int(environ.get("SLURM_JOB_ID", 0)) % 1000', "29500")]),
+})
+
+GRADED = [MODEL_FROM_SCRATCH, TRAINER_EXERCISES, CLUSTER_EXERCISES]
 WRONG = [(notebook, name) for notebook in GRADED for name in notebook.wrong_answers]
 
 

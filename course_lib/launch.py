@@ -160,7 +160,8 @@ def _check_spawnable(worker) -> None:
         raise TypeError(
             f"worker {getattr(worker, '__qualname__', worker)!r} is defined in this notebook/interactive session. "
             "Spawned ranks are new interpreters that import the worker by module path, so it must live in a "
-            "module: use one from course_lib or put it in a .py file next to the notebook and import it."
+            "module: use one from course_lib, put it in a .py file next to the notebook and import it, or wrap it "
+            "with course_lib.notebook_workers.spawnable (which saves a self-contained function to a module)."
         )
     try:
         pickle.dumps(worker)

@@ -20,7 +20,9 @@ from course_lib.dist import cleanup, init_distributed
 
 
 def main() -> int:
-    node_rank, nproc = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("NPROC_PER_NODE", 1))
+    # The fake launcher exports NODE_RANK / NPROC_PER_NODE; torchrun exports GROUP_RANK / LOCAL_WORLD_SIZE instead.
+    node_rank = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0)))
+    nproc = int(os.environ.get("NPROC_PER_NODE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
     info = init_distributed(timeout_s=float(os.environ.get("COURSE_DIST_TIMEOUT", 60)))
     expected = node_rank * nproc + info.local_rank
     print(f"joined: node {node_rank}, local rank {info.local_rank}, global rank {info.rank} of {info.world_size} "

@@ -26,6 +26,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 from course_lib.capacity import ZERO_STAGES, expected_waste, young_interval, zero_memory_per_gpu
 from course_lib.memory import GPU_80GB
+from course_lib.memory_calculator import memory_calculator_figure
 
 BLUE, GREEN, RED, PURPLE, ORANGE, GREY = "#4C72B0", "#55A868", "#C44E52", "#8172B2", "#DD8452", "#8C8C8C"
 
@@ -272,7 +273,7 @@ def checkpoint_interval(checkpoint_s: float = 20.0, mtbf_hours: float = 12.0, re
 
 FIGURES = {"ring_vs_tree.png": ring_vs_tree, "slurm_lifecycle.png": slurm_lifecycle,
            "node_topology.png": node_topology, "zero_memory.png": zero_memory, "cuda_stack.png": cuda_stack,
-           "checkpoint_interval.png": checkpoint_interval}
+           "checkpoint_interval.png": checkpoint_interval, "memory_calculator.png": memory_calculator_figure}
 DPI = 110
 
 

@@ -1,5 +1,12 @@
 """Rank workers that measure communication and data-parallel throughput (used by `make bench`).
 
+    from course_lib.launch import launch
+    from course_lib.commbench import allreduce_bandwidth, ddp_throughput
+    rows = launch(allreduce_bandwidth, world_size=2)[0]                  # list of {impl, size_mib, algbw_gbs, ...}
+    result = launch(ddp_throughput, world_size=2, threads_per_rank=1)[0]
+
+    .venv/bin/python scripts/bench.py --only comm      # both, at 2 and 4 ranks, printed as tables
+
 Figures follow nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n for all-reduce, and the time
 of an operation is the slowest rank's (a collective is only done when every rank is done).
 """
@@ -64,7 +71,11 @@ def allreduce_bandwidth(sizes_mib=(1, 4, 16, 64), iters: int = 5, warmup: int = 
 
 def ddp_throughput(global_batch: int = 16, seq_len: int = 64, preset: str = "tiny", steps: int = 8,
                    warmup: int = 2, seed: int = 0) -> dict:
-    """Tokens/s of torch DDP training at a fixed global batch, split evenly over the ranks."""
+    """Tokens/s of torch DDP training at a fixed global batch, split evenly over the ranks.
+
+    Each step is timed on the slowest rank; step_seconds is the median, step_samples every timed step
+    (so that several launches taking turns can be pooled into one median).
+    """
     info = get_dist_info()
     if global_batch % info.world_size:
         raise ValueError(f"global_batch ({global_batch}) must be divisible by world_size ({info.world_size})")
@@ -89,4 +100,4 @@ def ddp_throughput(global_batch: int = 16, seq_len: int = 64, preset: str = "tin
     seconds = statistics.median(times)
     return {"world_size": info.world_size, "threads_per_rank": torch.get_num_threads(),
             "global_batch": global_batch, "seq_len": seq_len, "step_seconds": seconds,
-            "tokens_per_s": global_batch * seq_len / seconds}
+            "tokens_per_s": global_batch * seq_len / seconds, "step_samples": times}

@@ -1,11 +1,4 @@
-"""course_lib.timing (warm-up, medians, alternation, threads) and a smoke run of scripts/bench.py."""
-
-import importlib.util
-import json
-import math
-import subprocess
-import sys
-from pathlib import Path
+"""course_lib.timing: warm-up, medians, alternation, threads (scripts/bench.py is tested in test_bench.py)."""
 
 import pytest
 import torch
@@ -13,18 +6,6 @@ import torch
 from course_lib.timing import (
     Timing, machine_info, machine_line, setup_threads, time_alternating, time_fn,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    """scripts/bench.py imported as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 class FakeClock:
@@ -132,59 +113,3 @@ def test_machine_line_names_cores_threads_and_torch():
     assert info["cores"] >= 1 and info["torch_threads"] == torch.get_num_threads()
     line = machine_line(info)
     assert f"{info['cores']} cores" in line and torch.__version__ in line and "torch threads" in line
-
-
-def test_bench_only_selects_and_rejects_sections(bench, capsys):
-    names = [s.name for s in bench.SECTIONS]
-    assert [s.name for s in bench.select_sections(f"{names[-1]},{names[0]}")] == [names[0], names[-1]]
-    with pytest.raises(SystemExit):
-        bench.main(["--only", f"{names[0]},nope"])
-    assert "unknown section(s) ['nope']" in capsys.readouterr().err
-
-
-def test_bench_table_aligns_columns(bench):
-    result = bench.SectionResult(title="t", columns=[bench.Column("name", "name"), bench.Column("x", "x", "{:.1f}")],
-                                 rows=[{"name": "a", "x": 1.0}, {"name": "bbb", "x": None}])
-    assert bench.format_table(result).splitlines() == ["name    x", "----  ---", "a     1.0", "bbb     -"]
-
-
-def _numbers(row):
-    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-@pytest.mark.slow
-def test_bench_quick_writes_consistent_json(tmp_path, bench):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert set(report["sections"]) == {s.name for s in bench.SECTIONS}
-    assert report["machine"]["torch_threads"] >= 1 and "machine:" in proc.stdout
-    may_be_zero = {"spread", "step_spread", *bench.PROFILE_SHARES}  # spreads and time shares can be 0
-    for name, section in report["sections"].items():
-        assert section["rows"], f"section {name} has no rows"
-        for row in section["rows"]:
-            numbers = _numbers(row)
-            assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers.values()), (name, row)
-            assert all(v > 0 for k, v in numbers.items() if k not in may_be_zero), (name, row)
-
-    train = report["sections"]["train"]["rows"]
-    assert {"tiny", "small"} <= {r["preset"] for r in train}
-    for r in train:
-        assert r["tokens_per_step"] == r["batch_size"] * r["seq_len"]
-        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / (r["step_ms"] / 1e3), rel=1e-9)
-        assert r["gflops"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 1e9, rel=1e-9)
-        assert r["fraction"] == pytest.approx(r["gflops"] / r["matmul_gflops"], rel=1e-9)
-
-    for r in report["sections"]["profile"]["rows"]:
-        assert sum(r[k] for k in bench.PROFILE_SHARES) == pytest.approx(100.0)
-
-    attention = report["sections"]["attention"]["rows"]
-    assert {(r["seq_len"], r["pass"]) for r in attention} == {
-        (T, p) for T in (128, 512) for p in ("forward", "forward+backward")}
-    for r in attention:
-        assert r["speedup"] == pytest.approx(r["explicit_ms"] / r["sdpa_ms"], rel=1e-9)
-        if r["pass"] == "forward+backward":
-            # The explicit path keeps a (T, T) matrix per head for backward; SDPA does not.
-            assert r["saved_explicit_mb"] >= r["scores_mb"] > r["saved_sdpa_mb"]

@@ -41,7 +41,9 @@ def _new_axes(ax, figsize=(7, 4)):
 
 def _series(records, key: str, x: str = "step") -> tuple[list, list]:
     """(xs, ys) of the records that have `key` (train and eval records interleave in one file)."""
-    if records and not isinstance(records[0], Mapping):  # a bare list of numbers: x is its index
+    if records and not isinstance(records[0], Mapping):  # a bare list of numbers: train losses, x is their index
+        if key.startswith("val"):
+            return [], []
         return list(range(len(records))), [float(v) for v in records]
     points = [(r[x], r[key]) for r in records if r.get(key) is not None]
     return [p[0] for p in points], [p[1] for p in points]

@@ -65,6 +65,13 @@ def test_loss_curves_from_a_plain_list_and_running_mean():
     assert list(line.get_ydata()) == pytest.approx([1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5])
 
 
+def test_plain_lists_are_train_losses_drawn_once_with_the_default_keys():
+    fig = plot_loss_curves({"fp32": [3.0, 2.5, 2.0], "bf16": [3.1, 2.6, 2.1]})
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == 2, "a plain list of losses has no validation series to draw"
+    assert all(line.get_linestyle() == "-" for line in lines)
+
+
 def test_loss_curves_other_x_axis_and_existing_axes():
     records = [{"step": s, "loss": 1.0 / s, "seconds": 0.5 * s} for s in range(1, 6)]
     fig, axes = plt.subplots(1, 2)

@@ -10,14 +10,15 @@ resume, per-step metrics (loss, lr, grad norm, tokens/s) to out_dir/metrics.json
     python -m course_lib.train --config_path config/config.json --precision bf16 --threads 2
     python -m course_lib.train --help                                           # every TrainConfig field
 
-Data parallel (torch DDP): the same command as one process, or as N ranks under torchrun:
+Data parallel (torch DDP) or fully sharded (FSDP2, see course_lib.fsdp): one process, or N ranks under torchrun:
 
     python -m course_lib.train --strategy ddp --model_size small --max_steps 50
     torchrun --nproc_per_node=2 -m course_lib.train --strategy ddp --model_size small --max_steps 50
+    torchrun --nproc_per_node=2 -m course_lib.train --strategy fsdp --model_size medium --max_steps 50
 
 Each rank takes its own rows of one global batch (batch_size rows per rank, batch_size * world_size in all),
 so N ranks take the same steps as one process with batch_size * N; rank 0 writes metrics and checkpoints,
-every rank logs to <log_dir>/rank_<r>/train.log.
+every rank logs to <log_dir>/rank_<r>/train.log. FSDP checkpoints are gathered into the same single file.
 
 Resuming restores model, optimizer, scheduler, GradScaler, every RNG and the data position, so the
 continued run's losses equal an uninterrupted run's bit for bit (same device, threads and torch version).
@@ -40,10 +41,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from course_lib import fsdp
 from course_lib.checkpoint import (clear_checkpoints, load_checkpoint, remove_partial_files, resolve_resume,
                                    save_training_checkpoint)
 from course_lib.config import add_dataclass_arguments, load_model_config
 from course_lib.dist import cleanup, init_distributed, setup_rank_logging
+from course_lib.fsdp_checkpoint import load_full_checkpoint, save_full_checkpoint
 from course_lib.data import RandomBatches, load_tokens, synthetic_tokens
 from course_lib.device import (DEVICE_CHOICES, PRECISIONS, autocast_dtype, needs_grad_scaler,
                                select_device)
@@ -53,7 +56,7 @@ from course_lib.optim import configure_optimizer, make_scheduler
 from course_lib.steps import accumulate_gradients, clip_gradients, evaluate, train_step  # noqa: F401 (re-exported)
 
 DATASETS = ("corpus", "synthetic")
-STRATEGIES = ("single", "ddp")
+STRATEGIES = ("single", "ddp", "fsdp")
 SYNTHETIC_NUM_TOKENS = 200_000  # dataset="synthetic": this many "motifs" tokens, the last 10% held out
 
 
@@ -117,9 +120,11 @@ class TrainConfig:
     threads: int | None = None
     """torch.set_num_threads for this process; None leaves torch's default."""
     strategy: str = "single"
-    """single (one process) or ddp (torch DistributedDataParallel; one rank per process, e.g. under torchrun)."""
+    """single (one process), ddp (torch DistributedDataParallel) or fsdp (FSDP2); one rank per process."""
+    sharding: str = "FULL_SHARD"
+    """strategy fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (course_lib.fsdp.STRATEGIES)."""
     log_dir: str = "logs"
-    """strategy ddp: every rank writes its log lines to <log_dir>/rank_<r>/train.log."""
+    """strategy ddp / fsdp: every rank writes its log lines to <log_dir>/rank_<r>/train.log."""
 
     def __post_init__(self):
         if self.min_lr is None:
@@ -143,6 +148,7 @@ class TrainConfig:
              lambda v: self.config_path is not None or v in PRESETS),
             (("dataset",), f"one of {DATASETS}", lambda v: v in DATASETS),
             (("strategy",), f"one of {STRATEGIES}", lambda v: v in STRATEGIES),
+            (("sharding",), f"one of {list(fsdp.STRATEGIES)}", lambda v: v in fsdp.STRATEGIES),
             (("precision",), f"one of {PRECISIONS}", lambda v: v in PRECISIONS),
             (("device",), f"one of {DEVICE_CHOICES} or cuda:N", lambda v: str(v).split(":")[0] in DEVICE_CHOICES),
             (("resume",), "True, False, 'auto' or a checkpoint path", lambda v: isinstance(v, (bool, str, Path))),
@@ -180,7 +186,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     rank, world_size, rank_log = 0, 1, None
-    if cfg.strategy == "ddp":
+    if cfg.strategy in ("ddp", "fsdp"):
         info = init_distributed(device="auto" if cfg.device in ("auto", "mps") else cfg.device.split(":")[0])
         rank, world_size, device = info.rank, info.world_size, info.device
         rank_log = setup_rank_logging(cfg.log_dir, console=False)  # the console has rank 0's bar
@@ -195,20 +201,23 @@ def train(cfg: TrainConfig) -> dict:
     seed_everything(cfg.seed)
     config = build_model_config(cfg)
     model = GPT(config).to(device)
+    scaler = torch.amp.GradScaler(device.type) if needs_grad_scaler(device, amp_dtype) else None
+    if cfg.strategy == "fsdp":  # parameters become DTensor shards; FSDP casts them for compute (no autocast)
+        model, amp_dtype = fsdp.shard_for_training(model, cfg.sharding, amp_dtype)
     # DDP broadcasts rank 0's weights and all-reduces gradients in backward; `model` stays the plain module.
     train_model = DistributedDataParallel(model) if cfg.strategy == "ddp" else model
     no_sync = train_model.no_sync if cfg.strategy == "ddp" else None
     optimizer = configure_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_steps=cfg.max_steps)
-    scaler = torch.amp.GradScaler(device.type) if needs_grad_scaler(device, amp_dtype) else None
     train_tokens, val_tokens = load_splits(cfg)
     # Every rank draws the same global batch and keeps its own rows: disjoint data, one process's order.
     batches = RandomBatches(train_tokens, cfg.batch_size * world_size, config.block_size, seed=cfg.seed)
     my_rows = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
     start_step, resume_from = 0, resolve_resume(cfg.resume, out_dir)
     if resume_from is not None:
-        ckpt = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        load = load_full_checkpoint if cfg.strategy == "fsdp" else load_checkpoint
+        ckpt = load(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         batches.load_state_dict(ckpt["data_state"])
         start_step = ckpt["step"]
     elif is_main and (removed := clear_checkpoints(out_dir)):  # else --resume would later pick up the old run's latest.pt
@@ -250,28 +259,29 @@ def train(cfg: TrainConfig) -> dict:
             history.append(record)
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
-            if cfg.log_interval and step % cfg.log_interval == 0:
+            if cfg.log_interval and step % cfg.log_interval == 0 and is_main:
                 bar.write(f"step {step:6d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
                           f"grad norm {stats['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s")
             if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == last_step:
+                split = (0, 1) if cfg.strategy == "fsdp" else (rank, world_size)  # FSDP ranks all-gather together
                 val_loss = evaluate(model, val_tokens, batch_size=cfg.batch_size * world_size,
-                                    block_size=config.block_size,
-                                    max_batches=cfg.eval_batches, amp_dtype=amp_dtype, rank=rank,
-                                    world_size=world_size)
+                                    block_size=config.block_size, max_batches=cfg.eval_batches,
+                                    amp_dtype=amp_dtype, rank=split[0], world_size=split[1])
                 evals.append({"kind": "eval", "step": step, "val_loss": val_loss})
                 if logger:
                     logger.log(evals[-1])
                 if rank_log:
                     rank_log.info(f"step {step} | val loss {val_loss:.4f}")
-                if cfg.log_interval:
+                if cfg.log_interval and is_main:
                     bar.write(f"step {step:6d} | val loss {val_loss:.4f}")
-            if ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step) and is_main:
-                ckpt_path = save_training_checkpoint(
-                    out_dir, step=step, keep_last=cfg.keep_last, model=model, optimizer=optimizer,
-                    scheduler=scheduler, scaler=scaler, data_state=batches.state_dict(),
-                    extra={"train_config": train_config, "val_loss": evals[-1]["val_loss"] if evals else None})
-            if world_size > 1 and ((cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step):
-                dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
+            if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step:
+                extra = {"train_config": train_config, "val_loss": evals[-1]["val_loss"] if evals else None}
+                save = save_full_checkpoint if cfg.strategy == "fsdp" else save_training_checkpoint
+                if cfg.strategy == "fsdp" or is_main:  # FSDP: every rank sends its shards, rank 0 writes one file
+                    ckpt_path = save(out_dir, step=step, keep_last=cfg.keep_last, model=model, optimizer=optimizer,
+                                     scheduler=scheduler, scaler=scaler, data_state=batches.state_dict(), extra=extra)
+                if world_size > 1:
+                    dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
     finally:
         bar.close()
         if logger:
@@ -315,7 +325,7 @@ def main(argv=None) -> dict:
     try:
         result = train(cfg)
     finally:
-        if cfg.strategy == "ddp":
+        if cfg.strategy in ("ddp", "fsdp"):
             cleanup()
     if result["rank"] != 0:
         return result

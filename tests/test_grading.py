@@ -194,7 +194,88 @@ CLUSTER_EXERCISES = GradedNotebook("session_c", "02_cluster_exercises", {
         ('29500 + int(environ.get("SLURM_JOB_ID", 0)) % 1000', "29500")]),
 })
 
-GRADED = [MODEL_FROM_SCRATCH, TRAINER_EXERCISES, CLUSTER_EXERCISES]
+# Exercises 12-15 (session D). The tests of 14 and 15 start 2 ranks each (two launches per execution).
+SHARDING_EXERCISES = GradedNotebook("session_d", "04_sharding_exercises", {
+    "hybrid_mesh_transposed": ("ex12_settings", "ex12_settings_tests", [
+        ("mesh_shape = (world_size // ranks_per_node, ranks_per_node)",
+         "mesh_shape = (ranks_per_node, world_size // ranks_per_node)")]),
+    "shard_grad_op_reshards_after_forward": ("ex12_settings", "ex12_settings_tests", [
+        ('"SHARD_GRAD_OP": (2, False),', '"SHARD_GRAD_OP": (2, True),')]),
+    "shard_grad_op_as_zero1": ("ex12_settings", "ex12_settings_tests", [
+        ('"SHARD_GRAD_OP": (2, False),', '"SHARD_GRAD_OP": (1, False),')]),
+    "no_shard_mesh_transposed": ("ex12_settings", "ex12_settings_tests", [
+        ("mesh_shape = (world_size, 1)", "mesh_shape = (1, world_size)")]),
+    "unknown_strategy_not_checked": ("ex12_settings", "ex12_settings_tests", [
+        ("    if strategy not in table:\n"
+         '        raise ValueError(f"unknown sharding strategy {strategy!r}; choose one of {list(table)}")\n', "")]),
+    "reduce_in_low_precision": ("ex13_policy", "ex13_policy_tests", [
+        ("reduce_dtype=torch.float32)", "reduce_dtype=compute_dtypes[precision])")]),
+    "fp16_computes_in_bf16": ("ex13_policy", "ex13_policy_tests", [
+        ('"fp16": torch.float16', '"fp16": torch.bfloat16')]),
+    "unknown_precision_not_checked": ("ex13_policy", "ex13_policy_tests", [
+        ("    if precision not in compute_dtypes:\n"
+         '        raise ValueError(f"unknown precision {precision!r}; choose one of {list(compute_dtypes)}")\n', "")]),
+    "only_the_root_wrapped": ("ex14_wrapping", "ex14_wrapping_tests", [
+        ("    for block in model.blocks:\n        fully_shard(block, mesh=mesh, **fsdp_kwargs)\n", "")]),
+    "blocks_without_the_kwargs": ("ex14_wrapping", "ex14_wrapping_tests", [
+        ("fully_shard(block, mesh=mesh, **fsdp_kwargs)", "fully_shard(block, mesh=mesh)")]),
+    "root_not_wrapped": ("ex14_wrapping", "ex14_wrapping_tests", [
+        ("    fully_shard(model, mesh=mesh, **fsdp_kwargs)\n", "")]),
+    "checkpoint_written_in_place": ("ex15_checkpoint", "ex15_checkpoint_tests", [
+        ('        tmp = f"{path}.tmp"\n'
+         '        torch.save({"model": state, "step": step}, tmp)\n'
+         "        os.replace(tmp, path)  # the old checkpoint stays whole until the new one is complete\n",
+         '        torch.save({"model": state, "step": step}, path)\n')]),
+    "checkpoint_written_by_every_rank": ("ex15_checkpoint", "ex15_checkpoint_tests", [
+        ("    if dist.get_rank() == 0:  # the other ranks received an empty dict\n"
+         '        tmp = f"{path}.tmp"\n'
+         '        torch.save({"model": state, "step": step}, tmp)\n'
+         "        os.replace(tmp, path)",
+         '    tmp = f"{path}.tmp"\n'
+         '    torch.save({"model": state, "step": step}, tmp)\n'
+         "    os.replace(tmp, path)")]),
+    "checkpoint_of_the_local_shards": ("ex15_checkpoint", "ex15_checkpoint_tests", [
+        ("state = get_model_state_dict(model, options=options)", "state = model.state_dict()")]),
+    "dcp_loaded_without_the_model_key": ("ex15_checkpoint", "ex15_checkpoint_tests", [
+        ('    state = {"model": model.state_dict()}', "    state = model.state_dict()"),
+        ('model.load_state_dict(state["model"])', "model.load_state_dict(state)")]),
+})
+
+# One pure-Python exercise; the lesson's later cells use course_lib.mesh_layout, so only its points are at stake.
+MESH_LAYOUT = GradedNotebook("session_e", "03_3d_parallelism", {
+    "pipeline_varies_fastest": ("ex18_rank_groups", "ex18_rank_groups_tests", [
+        ("        return (d * pp + p) * tp + t", "        return (d * tp + t) * pp + p"),
+        ("        t = rank % tp\n        p = rank // tp % pp\n", "        p = rank % pp\n        t = rank // pp % tp\n")]),
+    "data_and_tensor_swapped": ("ex18_rank_groups", "ex18_rank_groups_tests", [
+        ("        return (d * pp + p) * tp + t", "        return (t * pp + p) * dp + d"),
+        ("        t = rank % tp\n        p = rank // tp % pp\n        d = rank // (tp * pp)\n",
+         "        d = rank % dp\n        p = rank // dp % pp\n        t = rank // (dp * pp)\n")]),
+    "data_stride_tp_plus_pp": ("ex18_rank_groups", "ex18_rank_groups_tests", [
+        ("d = rank // (tp * pp)", "d = rank // (tp + pp)")]),
+    "pipeline_coordinate_modulo_dp": ("ex18_rank_groups", "ex18_rank_groups_tests", [
+        ("p = rank // tp % pp", "p = rank // tp % dp")]),
+})
+
+# Exercise 17's tests use the library's LoRALinear, so exercise 16's mistakes cost only exercise 16.
+LORA_FINETUNING = GradedNotebook("session_e", "04_lora_finetuning", {
+    "lora_forward_without_scaling": ("ex16_lora_forward", "ex16_lora_forward_tests", [
+        ("self.base(x) + self.scaling * update", "self.base(x) + update")]),
+    "lora_forward_a_and_b_swapped": ("ex16_lora_forward", "ex16_lora_forward_tests", [
+        ("self.lora_B(self.lora_A(self.dropout(x)))", "self.lora_A(self.lora_B(self.dropout(x)))")]),
+    "lora_forward_dropout_on_the_base_too": ("ex16_lora_forward", "ex16_lora_forward_tests", [
+        ("update = self.lora_B(self.lora_A(self.dropout(x)))",
+         "x = self.dropout(x)\n        update = self.lora_B(self.lora_A(x))")]),
+    "lora_merge_without_scaling": ("ex17_lora_merge", "ex17_lora_merge_tests", [
+        ("base.weight + layer.scaling * (layer.lora_B.weight @ layer.lora_A.weight)",
+         "base.weight + layer.lora_B.weight @ layer.lora_A.weight")]),
+    "lora_merge_into_the_base_in_place": ("ex17_lora_merge", "ex17_lora_merge_tests", [
+        ("    merged = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)\n",
+         "    merged = base\n")]),
+    "lora_merge_copy_not_returned": ("ex17_lora_merge", "ex17_lora_merge_tests", [
+        ("    return merged", "    return base")]),
+})
+
+GRADED = [MODEL_FROM_SCRATCH, TRAINER_EXERCISES, CLUSTER_EXERCISES, SHARDING_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
 WRONG = [(notebook, name) for notebook in GRADED for name in notebook.wrong_answers]
 
 

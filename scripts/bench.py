@@ -33,6 +33,7 @@ from course_lib.bench_comm import run_comm
 from course_lib.bench_compute import run_matmul, run_train
 from course_lib.bench_profile import run_profile
 from course_lib.bench_report import Options, Section, as_tables, format_section, section_json
+from course_lib.bench_sharding import run_sharding
 from course_lib.timing import machine_info, setup_threads
 
 SECTIONS = [
@@ -45,6 +46,8 @@ SECTIONS = [
             run_attention),
     Section("comm", "all_reduce algbw/busbw (gloo vs ring, 2 and 4 ranks); DDP tokens/s, 1 rank vs 2 ranks",
             run_comm),
+    Section("sharding", "model-state bytes per rank, measured and by formula, and step time: DDP, ZeRO-1/2/3, "
+            "FSDP at 2 and 4 ranks", run_sharding),
 ]
 
 

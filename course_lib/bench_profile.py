@@ -8,15 +8,12 @@ are GEMMs, the SDPA kernels, the optimizer, every other operator, and the wall t
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 
 from course_lib.bench_compute import TRAIN_VARIANTS, make_train_step
 from course_lib.bench_report import Column, Options, Table
+from course_lib.profiling import without_profiler_banner
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 PROFILE_SHARES = {
@@ -26,24 +23,6 @@ PROFILE_SHARES = {
     "other_ops": "other ops %",
     "outside_ops": "outside ops %",
 }
-
-
-@contextlib.contextmanager
-def _without_profiler_banner():
-    """Drop the 'profiler_start/stop' lines the C++ profiler writes to stderr; pass everything else on."""
-    sys.stderr.flush()
-    saved_fd = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved_fd, 2)
-            os.close(saved_fd)
-            captured.seek(0)
-            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
-                if "SyncActivityProfilerHandler" not in line:
-                    sys.stderr.write(line)
 
 
 def _category(event) -> str:
@@ -67,7 +46,7 @@ def step_time_shares(step: Callable[[], None], steps: int = 3) -> dict[str, floa
     from torch.profiler import ProfilerActivity, profile
 
     shares = dict.fromkeys(PROFILE_SHARES, 0.0)
-    with _without_profiler_banner():
+    with without_profiler_banner():
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):

@@ -19,15 +19,6 @@ from course_lib.lora import (ATTENTION_TARGETS, MLP_TARGETS, LoRALinear, apply_l
 from course_lib.model import GPT, GPTConfig
 
 
-@pytest.fixture
-def one_thread():
-    """Small models train fastest on one thread, and then do not fight other processes for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def randomize_b(layer: LoRALinear, seed: int = 0) -> None:
     """B starts at zero; a trained adapter has a non-zero B."""
     g = torch.Generator().manual_seed(seed)

@@ -16,14 +16,6 @@ from course_lib.profiling import (CATEGORIES, PHASES, ddp_step_breakdown, format
                                   throughput_report)
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_run_step_times_every_phase_and_trains(one_thread):
     model, optimizer, batches = make_setup("tiny", batch_size=4)
     before = model.blocks[0].attn.q_proj.weight.detach().clone()

@@ -32,7 +32,6 @@ from course_lib.pipeline_schedules import (COMPUTE_KINDS, SCHEDULES, gpipe_sched
                                            simulate_schedule, with_idle)
 
 
-
 # ------------------------------------------------------------------------------------------ the stages
 def split_layers(n_layer: int, n_stages: int) -> list[range]:
     """Contiguous blocks per stage, as even as possible; the first stages take the remainder."""

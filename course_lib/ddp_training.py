@@ -30,9 +30,13 @@ log = logging.getLogger("course")
 
 
 def wrap_ddp(model, device: torch.device, group=None) -> DistributedDataParallel:
-    """torch DDP on this rank's device (one GPU per rank: device_ids; on the CPU: none)."""
+    """torch DDP on this rank's device (one GPU per rank: device_ids; on the CPU: none).
+
+    broadcast_buffers=False: the model's only buffers are the rotary cos/sin tables, computed identically on
+    every rank, so re-sending rank 0's copy before every forward (DDP's default) would be wasted traffic.
+    """
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   process_group=group)
+                                   process_group=group, broadcast_buffers=False)
 
 
 def flat_parameters(model) -> torch.Tensor:

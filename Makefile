@@ -37,7 +37,7 @@ release: $(STAMP) ## Regenerate notebooks/ (student versions) from solutions/ wi
 autograde: $(STAMP) ## Grade submitted/<student>/<assignment>/*.ipynb with nbgrader
 	$(PY) scripts/grading.py autograde
 
-bench: $(STAMP) ## Print the performance figures: matmul ceiling, training tokens/s, attention, all-reduce GB/s, DDP scaling
+bench: $(STAMP) ## Print the performance figures: matmul ceiling, training tokens/s, attention, all-reduce GB/s, DDP scaling, sharding memory, DP/TP/PP step time and bytes
 	$(PY) scripts/bench.py
 
 lint: $(STAMP) ## Check that every notebook is valid and carries correct nbgrader metadata

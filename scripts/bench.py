@@ -1,8 +1,8 @@
 """The course's performance figures, measured in one run: `make bench`.
 
-    make bench                                             # every section: ~3 min on a quiet 2-core machine
+    make bench                                             # every section: ~6 min on a quiet 2-core machine
                                                            # (~1 min more the first time: torch.compile cache)
-    .venv/bin/python scripts/bench.py --quick              # smoke run with fewer samples (~1 min)
+    .venv/bin/python scripts/bench.py --quick              # smoke run with fewer samples (~2 min)
     .venv/bin/python scripts/bench.py --only matmul,train --json bench.json
     .venv/bin/python scripts/bench.py --list               # the section names
 
@@ -14,7 +14,9 @@ other), so measure on a quiet machine; the machine line then says "busy machine"
 
 How the figures are taken is in the modules that take them: course_lib.bench_compute (matmul ceiling,
 training tokens/s and fraction of the ceiling), bench_profile, bench_attention, bench_comm (all-reduce
-bandwidth, data-parallel throughput); tables, printing and JSON in course_lib.bench_report.
+bandwidth, data-parallel throughput), bench_sharding (model-state bytes per rank of DDP, ZeRO and FSDP),
+bench_parallel (step time and bytes communicated by DP, TP and PP); tables, printing and JSON in
+course_lib.bench_report.
 
 To add a section: write `run_<name>(opts: Options) -> Table | list[Table]` in a course_lib/bench_<topic>.py
 module and add one Section line to SECTIONS below; --only, --list, --quick and --json then cover it.
@@ -32,6 +34,7 @@ from course_lib.bench_attention import run_attention
 from course_lib.bench_comm import run_comm
 from course_lib.bench_compute import run_matmul, run_train
 from course_lib.bench_profile import run_profile
+from course_lib.bench_parallel import run_parallel
 from course_lib.bench_report import Options, Section, as_tables, format_section, section_json
 from course_lib.bench_sharding import run_sharding
 from course_lib.timing import machine_info, setup_threads
@@ -48,6 +51,8 @@ SECTIONS = [
             run_comm),
     Section("sharding", "model-state bytes per rank, measured and by formula, and step time: DDP, ZeRO-1/2/3, "
             "FSDP at 2 and 4 ranks", run_sharding),
+    Section("parallel", "step time and bytes communicated per rank, measured and by formula: DP, TP, PP (1F1B, "
+            "GPipe) at 2 and 4 ranks", run_parallel),
 ]
 
 

@@ -1,6 +1,6 @@
 """scripts/bench.py (`make bench`): the section registry, the tables, and one --quick run of every section.
 
-    .venv/bin/python -m pytest -q tests/test_bench.py     # ~1 min on a quiet 2-core machine: one quick run, shared
+    .venv/bin/python -m pytest -q tests/test_bench.py     # ~2 min on a quiet 2-core machine: one quick run, shared
 """
 
 import json
@@ -23,7 +23,8 @@ def test_bench_list_shows_every_section(capsys):
     bench.main(["--list"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [s.name for s in bench.SECTIONS]
-    assert {"matmul", "train", "profile", "attention", "comm"} <= {s.name for s in bench.SECTIONS}
+    assert {"matmul", "train", "profile", "attention", "comm", "sharding", "parallel"} <= {
+        s.name for s in bench.SECTIONS}
     assert all(isinstance(s, Section) and s.description in line for s, line in zip(bench.SECTIONS, lines))
 
 

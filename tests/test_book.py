@@ -24,13 +24,17 @@ import build_book  # scripts/ is on sys.path (tests/conftest.py)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCE = Path(os.environ.get("COURSE_BOOK_SOURCE", REPO_ROOT)).resolve()
-SOLUTIONS_NOTEBOOK = SOURCE / "solutions" / "session_a" / "02_model_from_scratch.ipynb"
+# Every instructor notebook with solution regions: the graded ones.
+GRADED_SOURCES = sorted(path for path in (SOURCE / "solutions").glob("*/*.ipynb")
+                        if "### BEGIN SOLUTION" in path.read_text(encoding="utf-8"))
 SOLUTION_REGION = ("### BEGIN SOLUTION", "### END SOLUTION")
 HIDDEN_TESTS_REGION = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")
 NBGRADER_MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 # A line shorter than this is too common to be evidence of a leak: `return x`, `B, T = idx.shape` in solutions,
 # `with torch.no_grad():` in hidden tests (which a lesson may well contain too).
 MIN_LEAK_CHARS = {SOLUTION_REGION: 20, HIDDEN_TESTS_REGION: 40}
+# On other pages (a lesson may well loop `for rank in range(world_size):`), only longer solution lines count.
+MIN_CROSS_PAGE_LEAK_CHARS = 32
 MIN_GLOSSARY_TERMS = 30
 
 pytestmark = pytest.mark.slow
@@ -182,36 +186,44 @@ def _regions(source: str, region: tuple[str, str]) -> tuple[list[str], str]:
     return inside, "\n".join(outside)
 
 
-def solution_lines() -> list[str]:
-    """Lines of the solution and hidden-test regions that a student never sees anywhere in the notebook."""
-    notebook = nbformat.read(SOLUTIONS_NOTEBOOK, as_version=4)
+def solution_lines(source: Path) -> list[tuple[str, tuple[str, str]]]:
+    """(line, region) of the solution and hidden-test regions that a student never sees in the notebook."""
+    notebook = nbformat.read(source, as_version=4)
     hidden, visible = [], []
     for cell in notebook.cells:
         solutions, rest = _regions(cell.source, SOLUTION_REGION)
         tests, rest = _regions(rest, HIDDEN_TESTS_REGION)
         hidden += [(line, SOLUTION_REGION) for line in solutions] + [(line, HIDDEN_TESTS_REGION) for line in tests]
-        visible.append(rest)
+        visible.append(rest.replace("`", "") if cell.cell_type == "markdown" else rest)  # hints quote code
     visible_text = normalise("\n".join(visible))
     distinctive = []
     for line, region in hidden:
         code = normalise(line.split("  # ")[0])  # a trailing comment may be reworded; the code may not
         if len(code) >= MIN_LEAK_CHARS[region] and not code.startswith("#") and code not in visible_text:
-            distinctive.append(code)
+            distinctive.append((code, region))
     return distinctive
 
 
-def test_no_solution_code_appears_in_the_book(pages):
-    if not SOLUTIONS_NOTEBOOK.is_file():
-        pytest.skip(f"{SOLUTIONS_NOTEBOOK.relative_to(SOURCE)} does not exist yet")
-    lines = solution_lines()
+@pytest.mark.parametrize("source", GRADED_SOURCES, ids=lambda path: f"{path.parent.name}/{path.stem}")
+def test_no_solution_code_appears_in_the_book(pages, source):
+    """The notebook's own page shows none of its solution or hidden-test lines; no other page (lessons and
+    chapters of every session) shows a solution line long enough to be more than common idiom."""
+    lines = solution_lines(source)
     assert lines, "found no solution lines to look for: are the nbgrader markers still there?"
+    own_page = f"notebooks/{source.parent.name}/{source.stem}.html"
+    assert own_page in pages, f"{own_page} was not built"
     leaks = {}
     for page_name, page in pages.items():
         text = normalise("".join(page.parts))
-        found = [line for line in lines if line in text]
+        found = [line for line, region in lines if line in text
+                 and (page_name == own_page or (region == SOLUTION_REGION and len(line) >= MIN_CROSS_PAGE_LEAK_CHARS))]
         if found:
             leaks[page_name] = found
-    assert not leaks, f"solution code appears in the book: {leaks}"
+    assert not leaks, f"solution code of {source.name} appears in the book: {leaks}"
+
+
+def test_every_graded_notebook_is_checked_for_leaks():
+    assert len(GRADED_SOURCES) >= 3, f"expected the graded notebooks of every session, found {GRADED_SOURCES}"
 
 
 def glossary_terms() -> list[str]:

@@ -135,8 +135,13 @@ class ExperimentLogger:
     def close(self) -> None:
         self.metrics.close()
         if self.wandb_run is not None:
+            import wandb
+
             self.wandb_run.finish()
             self.wandb_run = None
+            # finish() leaves wandb's service process (wandb-core) running for later runs; stop it, so a
+            # notebook, a test or a rank leaves no process behind (the next run starts a new one).
+            wandb.teardown()
 
     def __enter__(self):
         return self

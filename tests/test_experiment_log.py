@@ -75,8 +75,9 @@ def test_wandb_offline_run_is_written_under_out_dir(tmp_path, monkeypatch):
     rows = read_wandb_history(run_dir)
     assert [(row["_step"], row["train/loss"]) for row in rows] == [(1, 3.0), (2, 1.5), (3, 1.0)]
     assert list(cwd.iterdir()) == [], "W&B must write under out_dir only"
-    leftover = [child.name() for child in psutil.Process().children(recursive=True)]
-    assert leftover == [], f"closing the logger must stop wandb's service process, found {leftover}"
+    service = [child for child in psutil.Process().children(recursive=True) if "wandb" in child.name()]
+    _, alive = psutil.wait_procs(service, timeout=15)  # teardown asks it to exit; give a busy machine time
+    assert alive == [], f"closing the logger must stop wandb's service process, found {alive}"
 
 
 def test_without_wandb_tensorboard_still_works(tmp_path, monkeypatch, capsys):

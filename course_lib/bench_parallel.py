@@ -18,10 +18,8 @@ all-reduce and send in every step; this module sets them next to the formulas an
 from __future__ import annotations
 
 import os
-import tempfile
 
-from course_lib.bench_report import Column, Options, Table
-from course_lib.launch import launch
+from course_lib.bench_report import Column, Options, Table, launch_at_world_sizes, ranks_setup
 from course_lib.model import GPTConfig
 from course_lib.parallel_bench_workers import PP_SCHEDULES, STRATEGIES, parallel_bench
 from course_lib.pipeline import pipeline_comm_bytes, predicted_bubble_fraction
@@ -173,17 +171,12 @@ def run_parallel(opts: Options, strategies=STRATEGIES) -> Table:
     """The table: every strategy at 2 and 4 ranks; rank logs go to a temporary directory."""
     cores = os.cpu_count() or 1
     workload = WORKLOAD["quick" if opts.quick else "full"]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_parallel_") as log_dir:
-        for world_size in PARALLEL_RANKS:
-            ranks = launch(parallel_bench, world_size, kwargs={"strategies": tuple(strategies), **workload},
-                           threads_per_rank=1, log_dir=log_dir, echo=False, timeout_s=180)
-            rows += parallel_rows(ranks, cores=cores, workload=workload)
-    setups = [f"{n} ranks x 1 thread" + (f" ({n} processes on {cores} cores: oversubscribed)" if n > cores else "")
-              for n in PARALLEL_RANKS]
+    launched = launch_at_world_sizes(parallel_bench, PARALLEL_RANKS, {"strategies": tuple(strategies), **workload},
+                                     log_prefix="bench_parallel_")
+    rows = [row for ranks in launched.values() for row in parallel_rows(ranks, cores=cores, workload=workload)]
     return Table(
         title="step time and bytes communicated per rank per step: DP, TP, PP (1F1B, GPipe) at 2 and 4 ranks",
-        setup=", then ".join(setups),
+        setup=ranks_setup(PARALLEL_RANKS, cores),
         columns=[Column("strategy", "strategy"), Column("world_size", "ranks"),
                  Column("step_ms", "step ms", "{:.1f}"), Column("step_spread", "IQR", "{:.0%}"),
                  Column("tokens_per_s", "tokens/s", "{:,.0f}"), Column("speed_vs_dp", "speed vs DP", "{:.2f}x"),

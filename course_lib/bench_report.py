@@ -11,6 +11,7 @@ JSON report unchanged), notes, and `setup`: how the work was spread over the mac
 
 from __future__ import annotations
 
+import tempfile
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,3 +103,21 @@ def section_json(tables: list[Table], machine: dict, wall_s: float) -> dict:
     return {"machine": machine, "wall_s": wall_s,
             "tables": {t.name: {"title": t.title, "setup": t.setup, "rows": t.rows, "notes": t.notes}
                        for t in tables}}
+
+
+def launch_at_world_sizes(worker, world_sizes, kwargs: dict, *, log_prefix: str, timeout_s: float = 180) -> dict:
+    """{world size: every rank's result} of `worker` launched at each size, 1 thread per rank, logs discarded."""
+    from course_lib.launch import launch  # only the sections that start ranks need it
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix=log_prefix) as log_dir:
+        for world_size in world_sizes:
+            results[world_size] = launch(worker, world_size, kwargs=kwargs, threads_per_rank=1, log_dir=log_dir,
+                                         echo=False, timeout_s=timeout_s)
+    return results
+
+
+def ranks_setup(world_sizes, cores: int) -> str:
+    """The machine line's setup for runs of 1-thread ranks, flagging the sizes that oversubscribe the cores."""
+    return ", then ".join(f"{n} ranks x 1 thread" + (f" ({n} processes on {cores} cores: oversubscribed)"
+                                                     if n > cores else "") for n in world_sizes)

@@ -14,10 +14,8 @@ course_lib.fsdp.expected_fsdp_model_states (FSDP2, which pads every parameter's 
 from __future__ import annotations
 
 import os
-import tempfile
 
-from course_lib.bench_report import Column, Options, Table
-from course_lib.launch import launch
+from course_lib.bench_report import Column, Options, Table, launch_at_world_sizes, ranks_setup
 from course_lib.sharding_bench_workers import STRATEGIES, sharding_bench
 from course_lib.timing import Timing
 from course_lib.zero_memory import KINDS
@@ -73,14 +71,9 @@ def run_sharding(opts: Options, strategies=STRATEGIES) -> Table:
     """The table: every strategy at 2 and 4 ranks; rank logs go to a temporary directory."""
     cores = os.cpu_count() or 1
     workload = WORKLOAD["quick" if opts.quick else "full"]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_sharding_") as log_dir:
-        for world_size in SHARDING_RANKS:
-            ranks = launch(sharding_bench, world_size, kwargs={"strategies": tuple(strategies), **workload},
-                           threads_per_rank=1, log_dir=log_dir, echo=False, timeout_s=180)
-            rows += sharding_rows(ranks, cores=cores, workload=workload)
-    setups = [f"{n} ranks x 1 thread" + (f" ({n} processes on {cores} cores: oversubscribed)" if n > cores else "")
-              for n in SHARDING_RANKS]
+    launched = launch_at_world_sizes(sharding_bench, SHARDING_RANKS, {"strategies": tuple(strategies), **workload},
+                                     log_prefix="bench_sharding_")
+    rows = [row for ranks in launched.values() for row in sharding_rows(ranks, cores=cores, workload=workload)]
     first = rows[0]
     tokens = workload["global_batch"] * workload["seq_len"]
     notes = [
@@ -114,7 +107,7 @@ def run_sharding(opts: Options, strategies=STRATEGIES) -> Table:
                      "with each other.")
     return Table(
         title="model-state MB per rank and time per step: DDP, ZeRO-1/2/3, FSDP at 2 and 4 ranks",
-        setup=", then ".join(setups),
+        setup=ranks_setup(SHARDING_RANKS, cores),
         columns=[Column("strategy", "strategy"), Column("world_size", "ranks"),
                  Column("params_bytes", "params", _mb("params_bytes")),
                  Column("grads_bytes", "grads", _mb("grads_bytes")),

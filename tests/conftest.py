@@ -1,5 +1,7 @@
 """Shared test setup: the repository root, scripts/ on sys.path (so tests can `import grading`), fixtures."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,3 +19,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def bench_quick(tmp_path_factory):
+    """One `scripts/bench.py --quick --json` run of every section, shared by the bench tests: (stdout, report)."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--json", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def section_stdout(stdout: str, section: str) -> str:
+    """The tables one bench section printed (each starts with a line `== <section>: <title>`)."""
+    blocks = stdout.split("\n== ")
+    return "\n".join(block for block in blocks if block.lstrip("= ").startswith(f"{section}:"))

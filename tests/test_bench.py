@@ -3,20 +3,15 @@
     .venv/bin/python -m pytest -q tests/test_bench.py     # ~2 min on a quiet 2-core machine: one quick run, shared
 """
 
-import json
 import math
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import bench  # scripts/ is on sys.path (tests/conftest.py)
 from course_lib.bench_profile import PROFILE_SHARES
 from course_lib.bench_report import Column, Section, Table, as_tables, format_section, format_table
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bench_list_shows_every_section(capsys):
@@ -57,14 +52,10 @@ def test_sections_may_return_several_named_tables():
         as_tables({"rows": []}, "demo")
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One `bench.py --quick --json` run of every section, shared by the tests below: (stdout, report)."""
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
+@pytest.fixture
+def quick_run(bench_quick):
+    """The --quick run of every section (tests/conftest.py runs it once for all bench tests)."""
+    return bench_quick
 
 
 def _rows(report, section, table=None):

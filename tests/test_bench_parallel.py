@@ -1,17 +1,15 @@
 """`make bench`'s parallel section: DP, TP and PP bytes per rank (measured = formula), step times and tokens/s.
 
-    .venv/bin/python -m pytest -q tests/test_bench_parallel.py    # ~20 s on a quiet 2-core machine: one quick run
+    .venv/bin/python -m pytest -q tests/test_bench_parallel.py    # uses the --quick run of every section that
+                                                                  # tests/conftest.py makes once (~1.5 min quiet)
 """
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import section_stdout
 from course_lib.bench_parallel import (PARALLEL_RANKS, WORKLOAD, expected_payload_bytes, parallel_rows,
                                        ring_wire_bytes)
 from course_lib.model import GPT, GPTConfig
@@ -19,20 +17,15 @@ from course_lib.parallel_bench_workers import STRATEGIES, check_parallel_workloa
 from course_lib.pipeline import pipeline_comm_bytes
 from course_lib.tensor_parallel import tp_allreduce_bytes_per_layer
 
-REPO = Path(__file__).resolve().parents[1]
 QUICK = WORKLOAD["quick"]
 QUICK_CONFIG = GPTConfig.from_preset(QUICK["preset"], **QUICK["config_overrides"])
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One `bench.py --only parallel --quick --json` run: (stdout, rows of the parallel table)."""
-    out = tmp_path_factory.mktemp("bench_parallel") / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--only", "parallel", "--quick",
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    return proc.stdout, report["sections"]["parallel"]["tables"]["parallel"]["rows"]
+@pytest.fixture
+def quick_run(bench_quick):
+    """The parallel section of the shared `bench.py --quick --json` run (tests/conftest.py): (its stdout, rows)."""
+    stdout, report = bench_quick
+    return section_stdout(stdout, "parallel"), report["sections"]["parallel"]["tables"]["parallel"]["rows"]
 
 
 @pytest.mark.slow

@@ -1,34 +1,26 @@
 """`make bench`'s sharding section: DDP, ZeRO-1/2/3 and FSDP bytes per rank (measured = formula) and step times.
 
-    .venv/bin/python -m pytest -q tests/test_bench_sharding.py    # ~25 s on a quiet 2-core machine: one quick run
+    .venv/bin/python -m pytest -q tests/test_bench_sharding.py    # uses the --quick run of every section that
+                                                                  # tests/conftest.py makes once (~1.5 min quiet)
 """
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import section_stdout
 from course_lib.bench_sharding import SHARDING_RANKS, WORKLOAD, sharding_rows
 from course_lib.model import GPT, GPTConfig
 from course_lib.sharding_bench_workers import STRATEGIES, PeakProbe, sharding_bench
 from course_lib.zero_memory import live_bytes
 
-REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One `bench.py --only sharding --quick --json` run: (stdout, rows of the sharding table)."""
-    out = tmp_path_factory.mktemp("bench_sharding") / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--only", "sharding", "--quick",
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    return proc.stdout, report["sections"]["sharding"]["tables"]["sharding"]["rows"]
+@pytest.fixture
+def quick_run(bench_quick):
+    """The sharding section of the shared `bench.py --quick --json` run (tests/conftest.py): (its stdout, rows)."""
+    stdout, report = bench_quick
+    return section_stdout(stdout, "sharding"), report["sections"]["sharding"]["tables"]["sharding"]["rows"]
 
 
 def _by_strategy(rows, world_size):

@@ -41,7 +41,7 @@ bench: $(STAMP) ## Print the performance figures: matmul ceiling, training token
 	$(PY) scripts/bench.py
 
 lint: $(STAMP) ## Check that every notebook is valid and carries correct nbgrader metadata
-	$(PY) -m pytest -q tests/test_notebook_metadata.py
+	$(PY) -m pytest -q tests/course/test_notebook_metadata.py
 
 clean: ## Remove build outputs, logs and runs (keeps .venv)
 	rm -rf _build logs runs data autograded feedback submitted gradebook.db .pytest_cache

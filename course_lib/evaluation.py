@@ -17,13 +17,15 @@ from pathlib import Path
 
 import torch
 
-from course_lib.checkpoint import FORMAT as FILE_FORMAT
-from course_lib.config import load_model_config
-from course_lib.model import GPT, GPTConfig
-from course_lib.ranked_checkpoint import MANIFEST, load_full_parameters
+from course_lib.checkpoint.atomic import FORMAT as FILE_FORMAT
+from course_lib.checkpoint.ranked import MANIFEST, load_full_parameters
+from course_lib.core.config import load_model_config
+from course_lib.core.data import load_tokens
+from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.steps import evaluate
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
-EXPECTED = ("a course checkpoint file (.pt written by course_lib.checkpoint, with 'format' and 'model_config'), "
+EXPECTED = ("a course checkpoint file (.pt written by course_lib.checkpoint.atomic, with 'format' and 'model_config'), "
             "a run directory holding latest.pt, a ranked checkpoint directory (manifest.json + rank_*.pt), or a "
             "torch.distributed.checkpoint directory (.metadata) together with --model_size/--config")
 
@@ -102,16 +104,12 @@ def load_model(path, fallback: GPTConfig | None = None) -> tuple[GPT, str]:
 
 @torch.no_grad()
 def held_out_loss(model: GPT, tokens: torch.Tensor, batch_size: int = 32, max_batches: int | None = 50) -> dict:
-    from course_lib.steps import evaluate
-
     loss = evaluate(model, tokens, batch_size=batch_size, block_size=model.config.block_size, max_batches=max_batches)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": len(tokens)}
 
 
 def main(argv=None) -> dict:
     import argparse
-
-    from course_lib.data import load_tokens
 
     parser = argparse.ArgumentParser(prog="scripts/evaluate.py", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="checkpoint file or directory")

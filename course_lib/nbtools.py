@@ -17,13 +17,11 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
-import course_lib
-
 
 def repo_root(start: str | Path | None = None) -> Path:
     """The folder holding config/config.json: start (default cwd), its parents, or course_lib's parent."""
     here = Path(start or Path.cwd()).resolve()
-    package_parent = Path(course_lib.__file__).resolve().parent.parent
+    package_parent = Path(__file__).resolve().parents[1]
     for candidate in (here, *here.parents, package_parent):
         if (candidate / "config" / "config.json").is_file():
             return candidate

@@ -1,7 +1,7 @@
 """Single-process training of the course GPT: the loop every later strategy (DDP, FSDP, ...) builds on.
 
 AdamW with decay / no-decay groups, linear warmup + cosine decay, gradient accumulation, gradient
-clipping, autocast (see course_lib.device), held-out evaluation, atomic checkpoints every N steps, exact
+clipping, autocast (see course_lib.core.device), held-out evaluation, atomic checkpoints every N steps, exact
 resume, per-step metrics (loss, lr, grad norm, tokens/s) to out_dir/metrics.jsonl and TensorBoard.
 
     python -m course_lib.train --model_size tiny --max_steps 200 --batch_size 16 --lr 3e-3 --device auto \\
@@ -10,7 +10,7 @@ resume, per-step metrics (loss, lr, grad norm, tokens/s) to out_dir/metrics.json
     python -m course_lib.train --config_path config/config.json --precision bf16 --threads 2
     python -m course_lib.train --help                                           # every TrainConfig field
 
-Data parallel (torch DDP) or fully sharded (FSDP2, see course_lib.fsdp): one process, or N ranks under torchrun:
+Data parallel (torch DDP) or fully sharded (FSDP2, see course_lib.sharding.fsdp): one process, or N ranks under torchrun:
 
     python -m course_lib.train --strategy ddp --model_size small --max_steps 50
     torchrun --nproc_per_node=2 -m course_lib.train --strategy ddp --model_size small --max_steps 50
@@ -41,19 +41,23 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from course_lib import fsdp
-from course_lib.checkpoint import (clear_checkpoints, load_checkpoint, remove_partial_files, resolve_resume,
-                                   save_training_checkpoint)
-from course_lib.config import add_dataclass_arguments, load_model_config
-from course_lib.dist import cleanup, init_distributed, setup_rank_logging
-from course_lib.fsdp_checkpoint import load_full_checkpoint, save_full_checkpoint
-from course_lib.data import RandomBatches, load_tokens, synthetic_tokens
-from course_lib.device import (DEVICE_CHOICES, PRECISIONS, autocast_dtype, needs_grad_scaler,
-                               select_device)
-from course_lib.metrics import MetricsLogger
-from course_lib.model import GPT, PRESETS, GPTConfig
-from course_lib.optim import configure_optimizer, make_scheduler
-from course_lib.steps import accumulate_gradients, clip_gradients, evaluate, train_step  # noqa: F401 (re-exported)
+from course_lib.checkpoint.atomic import (
+    clear_checkpoints,
+    load_checkpoint,
+    remove_partial_files,
+    resolve_resume,
+    save_training_checkpoint,
+)
+from course_lib.checkpoint.fsdp import load_full_checkpoint, save_full_checkpoint
+from course_lib.core.config import add_dataclass_arguments, load_model_config
+from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
+from course_lib.core.device import DEVICE_CHOICES, PRECISIONS, autocast_dtype, needs_grad_scaler, select_device
+from course_lib.core.metrics import MetricsLogger
+from course_lib.core.model import GPT, PRESETS, GPTConfig
+from course_lib.core.optim import configure_optimizer, make_scheduler
+from course_lib.core.steps import accumulate_gradients, clip_gradients, evaluate, train_step  # noqa: F401 (re-exported)
+from course_lib.runtime.env import cleanup, init_distributed, setup_rank_logging
+from course_lib.sharding import fsdp
 
 DATASETS = ("corpus", "synthetic")
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -65,7 +69,7 @@ class TrainConfig:
     """Everything a training run needs. Each field is a --flag of `python -m course_lib.train`."""
 
     model_size: str = "tiny"
-    """Model preset from course_lib.model.PRESETS (tiny, small, medium, gpt2-small); unused with config_path."""
+    """Model preset from course_lib.core.model.PRESETS (tiny, small, medium, gpt2-small); unused with config_path."""
     config_path: str | None = None
     """JSON model config (e.g. config/config.json) to use instead of model_size."""
     block_size: int | None = None
@@ -106,7 +110,7 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda > mps > cpu), cuda, cuda:N, mps or cpu."""
     precision: str = "auto"
-    """auto, fp32, bf16 or fp16 (fp16 on CUDA only, with a GradScaler); see course_lib.device."""
+    """auto, fp32, bf16 or fp16 (fp16 on CUDA only, with a GradScaler); see course_lib.core.device."""
     log_interval: int = 0
     """Print a line of loss / lr / tokens per second every this many steps; 0 prints none (the bar shows them)."""
     tensorboard: bool = True
@@ -122,7 +126,7 @@ class TrainConfig:
     strategy: str = "single"
     """single (one process), ddp (torch DistributedDataParallel) or fsdp (FSDP2); one rank per process."""
     sharding: str = "FULL_SHARD"
-    """strategy fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (course_lib.fsdp.STRATEGIES)."""
+    """strategy fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (course_lib.sharding.fsdp.STRATEGIES)."""
     log_dir: str = "logs"
     """strategy ddp / fsdp: every rank writes its log lines to <log_dir>/rank_<r>/train.log."""
 

@@ -6,7 +6,7 @@
 (`--cpu --num_processes 2` would silently start a single process.) Every TrainConfig flag works: --help.
 """
 
-from course_lib.accelerate_train import main
+from course_lib.integrations.accelerate_train import main
 
 if __name__ == "__main__":
     main()

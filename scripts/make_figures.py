@@ -1,10 +1,10 @@
-"""Draw the diagrams of the GPU-cluster chapters (course_lib.diagrams) into book/_static/figures/.
+"""Draw the diagrams of the GPU-cluster chapters (course_lib.viz.diagrams) into book/_static/figures/.
 
     .venv/bin/python scripts/make_figures.py                 # rewrite every figure (commit the PNGs)
     .venv/bin/python scripts/make_figures.py --check         # exit 1 if a committed figure is stale or missing
     .venv/bin/python scripts/make_figures.py --out-dir /tmp/figures
 
-The PNGs are committed, so the book builds without drawing anything; tests/test_diagrams.py runs --check so
+The PNGs are committed, so the book builds without drawing anything; tests/viz/test_diagrams.py runs --check so
 that a change to a diagram's code cannot leave an old picture in the book. Drawing is deterministic (default
 matplotlib style, no metadata); --check still compares pixels with a small tolerance (matplotlib's
 compare_images), so that a different FreeType build cannot fail it on anti-aliasing alone.
@@ -24,7 +24,7 @@ matplotlib.use("Agg")  # no display needed
 from matplotlib.testing.compare import compare_images  # noqa: E402
 from matplotlib.testing.exceptions import ImageComparisonFailure  # noqa: E402
 
-from course_lib.diagrams import FIGURES, save_all  # noqa: E402
+from course_lib.viz.diagrams import FIGURES, save_all  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIGURE_DIR = REPO_ROOT / "book" / "_static" / "figures"
@@ -38,7 +38,7 @@ def stale_figures(committed: Path, tolerance: float = TOLERANCE) -> list[str]:
         fresh = {path.name: path for path in save_all(scratch)}
         present = {path.name for path in committed.glob("*.png")} if committed.is_dir() else set()
         problems += [f"{name} is missing from {committed}" for name in sorted(set(fresh) - present)]
-        problems += [f"{name} in {committed} is drawn by no function of course_lib.diagrams.FIGURES"
+        problems += [f"{name} in {committed} is drawn by no function of course_lib.viz.diagrams.FIGURES"
                      for name in sorted(present - set(fresh))]
         for name in sorted(set(fresh) & present):
             try:  # the diff image it may write lands next to the fresh drawing, in the scratch folder

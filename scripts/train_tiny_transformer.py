@@ -4,7 +4,7 @@
 
 Challenge: open config/config.json, change "num_hidden_layers": 2 to 4, and run the same command again.
 Each run writes runs/lab1_<N>layers/metrics.jsonl, so the two runs sit side by side; compare the loss
-printed at the same steps (or plot both files with course_lib.plots.plot_loss_curves). Does the deeper
+printed at the same steps (or plot both files with course_lib.viz.plots.plot_loss_curves). Does the deeper
 model's loss drop faster per step? Per second?
 
 One epoch is enough random batches to cover the training tokens once:
@@ -26,17 +26,17 @@ from pathlib import Path
 
 import torch
 
-from course_lib.checkpoint import save_checkpoint
-from course_lib.config import load_model_config
-from course_lib.data import RandomBatches, load_tokens
-from course_lib.metrics import MetricsLogger
-from course_lib.model import GPT, GPTConfig
-from course_lib.optim import configure_optimizer, get_lr
+from course_lib.checkpoint.atomic import save_checkpoint
+from course_lib.core.config import load_model_config
+from course_lib.core.data import RandomBatches, load_tokens
+from course_lib.core.metrics import MetricsLogger
+from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.optim import configure_optimizer, get_lr
 from course_lib.train import evaluate
 
 
 class TinyTransformer(GPT):
-    """The course GPT (course_lib/model.py) with its shape read from a JSON config file.
+    """The course GPT (course_lib/core/model.py) with its shape read from a JSON config file.
 
     Embedding -> num_hidden_layers x [RMSNorm -> causal self-attention (RoPE) -> RMSNorm -> SwiGLU MLP]
     -> RMSNorm -> linear head tied to the embedding. A "big" model is this same code with a bigger config.

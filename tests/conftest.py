@@ -1,4 +1,8 @@
-"""Shared test setup: the repository root, scripts/ on sys.path (so tests can `import grading`), fixtures."""
+"""Shared test setup: the repository root, scripts/ on sys.path (so tests can `import grading`), fixtures.
+
+tests/ mirrors course_lib/ (tests/<sub-package>/test_<module>.py); tests/course/ checks the notebooks, the book,
+the grading round trip and the environment.
+"""
 
 import json
 import subprocess
@@ -10,6 +14,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # `from conftest import section_stdout` from any test folder
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from course_lib.ckpt_workers import save_ranked
+from course_lib.checkpoint.workers import save_ranked
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.evaluation import held_out_loss, load_model
-from course_lib.launch import launch
-from course_lib.model import GPT, GPTConfig
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, train
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "evaluate.py"

@@ -1,5 +1,5 @@
+from course_lib.core.model import GPTConfig
 from course_lib.nbtools import expect_error, repo_root
-from course_lib.model import GPTConfig
 
 
 def test_expect_error_prints_the_message(capsys):

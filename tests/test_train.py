@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib.data import synthetic_tokens
-from course_lib.device import autocast_context, autocast_dtype, select_device
-from course_lib.metrics import MetricsLogger, read_metrics
-from course_lib.model import GPT, GPTConfig
+from course_lib.core.data import synthetic_tokens
+from course_lib.core.device import autocast_context, autocast_dtype, select_device
+from course_lib.core.metrics import MetricsLogger, read_metrics
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.train import TrainConfig, accumulate_gradients, clip_gradients, main, train, train_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def test_lab1_script_runs_epochs(tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp16_with_grad_scaler_on_cuda(tmp_path):
-    from course_lib.checkpoint import load_checkpoint
+    from course_lib.checkpoint.atomic import load_checkpoint
 
     result = train(quick_config(tmp_path, device="cuda", precision="fp16", max_steps=30, threads=None))
     losses = [r["loss"] for r in result["history"]]

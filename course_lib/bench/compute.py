@@ -1,0 +1,204 @@
+"""Compute sections of `make bench`: the matmul ceiling, and training steps measured against it.
+
+    .venv/bin/python scripts/bench.py --only matmul,train
+
+- one process, torch.set_num_threads(number of cores) (course_lib.observability.timing.setup_threads);
+- medians of many samples after warm-up calls that are not timed;
+- variants compared in alternation, A B A B ..., in the same run, so that machine noise hits both;
+- tokens/s = tokens per optimizer step / median step time; model FLOPs per token = 6N + 12*L*H*Q*T
+  (GPT.flops_per_token); achieved GFLOP/s = FLOPs per token * tokens/s / 1e9;
+- on a CPU there is no honest datasheet peak, so utilisation is the "fraction of matmul ceiling":
+  achieved GFLOP/s / the GFLOP/s of a large fp32 matmul timed in alternation with the training step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from course_lib.bench.report import Column, Options, Table
+from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.optim import configure_optimizer
+from course_lib.observability.timing import time_alternating, time_fn
+
+# ----------------------------------------------------------------------------------------------- matmul
+
+MATMUL_CEILING_N = 2048
+"""Side of the square fp32 matmul used as the ceiling: large enough that MKL/oneDNN run at full speed."""
+
+
+def matmul_fn(n: int, dtype: torch.dtype = torch.float32) -> Callable[[], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(dtype)
+    b = torch.randn(n, n, generator=g).to(dtype)
+    return lambda: a @ b
+
+
+def matmul_gflops(n: int, seconds: float) -> float:
+    return 2 * n**3 / seconds / 1e9
+
+
+def run_matmul(opts: Options) -> Table:
+    """Square matmuls: the fp32 one is the ceiling that the training figures are divided by."""
+    cases = [(MATMUL_CEILING_N, torch.float32), (MATMUL_CEILING_N, torch.bfloat16)]
+    if not opts.quick:
+        cases.insert(1, (4096, torch.float32))
+    rows = []
+    for n, dtype in cases:
+        t = time_fn(matmul_fn(n, dtype), warmup=2, repeats=3 if opts.quick else 8)
+        rows.append({"n": n, "dtype": str(dtype).removeprefix("torch."), "time_ms": t.median * 1e3,
+                     "gflops": matmul_gflops(n, t.median), "spread": t.relative_spread})
+    return Table(
+        title="Square matmul C = A @ B, median GFLOP/s = 2 n^3 / time",
+        columns=[Column("dtype", "dtype"), Column("n", "n"), Column("time_ms", "median ms", "{:.1f}"),
+                 Column("gflops", "GFLOP/s", "{:.1f}"), Column("spread", "IQR/median", "{:.0%}")],
+        rows=rows,
+        notes=[f"The fp32 n={MATMUL_CEILING_N} matmul is the ceiling of the train section, re-timed there in "
+               "alternation with each training step; n=4096 shows that n=2048 is already large enough. The bf16 "
+               "matmul is for scale: the train section divides bf16 runs by the fp32 ceiling like every run, "
+               "and by the bf16 matmul too."],
+    )
+
+
+# ------------------------------------------------------------------------------------------------ train
+
+@dataclass(frozen=True)
+class TrainVariant:
+    preset: str
+    batch_size: int
+    label: str
+    bf16_autocast: bool = False
+    fused_adamw: bool | None = None
+    """None: torch's default AdamW kernel for CPU tensors; True: one fused kernel for every parameter."""
+    compile: bool = False
+    """torch.compile(model) (inductor): fuses chains of memory-bound operators into single loops."""
+    quick: bool = False
+    """Also measured by --quick."""
+
+    @property
+    def plain(self) -> bool:
+        """What a first training loop does: eager, fp32, torch's default AdamW."""
+        return not (self.bf16_autocast or self.compile or self.fused_adamw)
+
+
+# Batch sizes: tokens/s rises with the batch until the activations stop fitting in the caches
+# (on 2 cores: tiny flat from B=32 to 256 and lower at 512; small best at B=16, lower at 8 and 32;
+# medium flat from B=4). The medium row shows how much of the gap is the small models' own size.
+_TINY, _SMALL, _MEDIUM = ("tiny", 128), ("small", 16), ("medium", 4)
+TRAIN_VARIANTS = [
+    TrainVariant(*_TINY, "eager fp32 (plain)", quick=True),
+    TrainVariant(*_TINY, "eager fp32, fused AdamW", fused_adamw=True),
+    TrainVariant(*_TINY, "eager bf16 autocast", bf16_autocast=True),
+    TrainVariant(*_TINY, "compiled fp32, fused AdamW", fused_adamw=True, compile=True),
+    TrainVariant(*_SMALL, "eager fp32 (plain)", quick=True),
+    TrainVariant(*_SMALL, "eager fp32, fused AdamW", fused_adamw=True),
+    TrainVariant(*_SMALL, "eager bf16 autocast", bf16_autocast=True),
+    TrainVariant(*_SMALL, "compiled fp32, fused AdamW", fused_adamw=True, compile=True),
+    TrainVariant(*_SMALL, "compiled bf16 autocast, fused AdamW", bf16_autocast=True, fused_adamw=True, compile=True),
+    TrainVariant(*_MEDIUM, "eager fp32 (plain)"),
+]
+
+
+def make_train_step(variant: TrainVariant) -> tuple[GPT, Callable[[], None], int, int]:
+    """A real optimizer step of the course's GPT on random tokens: (model, step, tokens per step, T).
+
+    Batches are made before timing, so data loading is excluded from the figures.
+    """
+    torch.manual_seed(0)
+    config = GPTConfig.from_preset(variant.preset)
+    seq_len = config.block_size
+    model = GPT(config)
+    optimizer = configure_optimizer(model, lr=3e-4, fused=variant.fused_adamw)
+    forward = torch.compile(model) if variant.compile else model
+    g = torch.Generator().manual_seed(0)
+    batches = itertools.cycle([torch.randint(0, config.vocab_size, (variant.batch_size, seq_len), generator=g)
+                               for _ in range(4)])
+
+    def step() -> None:
+        idx = next(batches)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant.bf16_autocast):
+            _, loss = forward(idx, targets=idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step, variant.batch_size * seq_len, seq_len
+
+
+def _best_marker(row: dict) -> str:
+    return "<- best" if row["best"] else "<- best fp32" if row["best_fp32"] else ""
+
+
+def run_train(opts: Options) -> Table:
+    """Training tokens/s and model GFLOP/s of the tiny and small presets, as a fraction of the matmul ceiling.
+
+    Why a small model stays below the ceiling even though most of its FLOPs are matmuls (the medium
+    preset, n_embd 384 against tiny's 64 and small's 128, is the contrast: plain eager fp32 gets closer):
+    - its GEMMs are small: with n_embd 64 or 128 every weight matrix has a short inner dimension, so
+      each output element needs few multiply-adds per byte loaded, and fixed per-call costs (packing,
+      waking threads, dispatch) are spread over little work;
+    - RMSNorm, rotary embeddings, SiLU * up, residual adds, softmax, cross-entropy and the AdamW update
+      are memory-bound: a few FLOPs per byte, not counted by 6N + 12LHQT, yet each is a pass over its
+      tensors (and autograd adds another pass in backward); the profile section measures their share;
+    - hundreds of small operators per step each pay microseconds of Python and dispatcher overhead.
+    Larger batches spread the fixed costs until the activations stop fitting in cache; torch.compile
+    fuses the memory-bound chains into fewer loops; bf16 autocast speeds up the GEMMs (bf16 matmul is
+    faster than fp32 on CPUs with AVX512-BF16/AMX) but adds casts, which the tiny model cannot repay.
+    bf16 rows are divided by the fp32 ceiling like every row, and also by a bf16 matmul (last column).
+    """
+    variants = [v for v in TRAIN_VARIANTS if v.quick or not opts.quick]
+    ceilings = {"fp32": matmul_fn(MATMUL_CEILING_N), "bf16": matmul_fn(MATMUL_CEILING_N, torch.bfloat16)}
+    rows = []
+    for variant in variants:
+        model, step, tokens_per_step, seq_len = make_train_step(variant)
+        fns = {"step": step, "fp32": ceilings["fp32"]}
+        if variant.bf16_autocast:
+            fns["bf16"] = ceilings["bf16"]
+        # Compilation happens during the warm-up calls. Alternating with the matmul keeps the ratio fair.
+        timings = time_alternating(fns, warmup=2 if opts.quick else 3, rounds=3 if opts.quick else 12)
+        step_s = timings["step"].median
+        tokens_per_s = tokens_per_step / step_s
+        flops_per_token = model.flops_per_token(seq_len)
+        gflops = flops_per_token * tokens_per_s / 1e9
+        ceiling_gflops = matmul_gflops(MATMUL_CEILING_N, timings["fp32"].median)
+        row = {"preset": variant.preset, "variant": variant.label, "params": model.num_params(),
+               "batch_size": variant.batch_size, "seq_len": seq_len, "tokens_per_step": tokens_per_step,
+               "step_ms": step_s * 1e3, "step_spread": timings["step"].relative_spread,
+               "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token, "gflops": gflops,
+               "matmul_gflops": ceiling_gflops, "fraction": gflops / ceiling_gflops,
+               "bf16_autocast": variant.bf16_autocast, "best": False, "best_fp32": False}
+        if variant.bf16_autocast:
+            row["bf16_matmul_gflops"] = matmul_gflops(MATMUL_CEILING_N, timings["bf16"].median)
+            row["fraction_of_bf16_matmul"] = gflops / row["bf16_matmul_gflops"]
+        rows.append(row)
+    notes = []
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        mine = [r for r in rows if r["preset"] == preset]
+        plain = mine[0]
+        best_fp32 = max((r for r in mine if not r["bf16_autocast"]), key=lambda r: r["fraction"])
+        best = max(mine, key=lambda r: r["fraction"])
+        best_fp32["best_fp32"] = best["best"] = True
+        line = (f"{preset} ({plain['params']:,} parameters, {plain['flops_per_token']:,} FLOPs/token at "
+                f"T={plain['seq_len']}): plain eager fp32 reaches {plain['fraction']:.2f} of the matmul ceiling")
+        if best_fp32 is not plain:
+            line += f"; best fp32: '{best_fp32['variant']}', {best_fp32['fraction']:.2f}"
+        if best is not best_fp32:
+            line += (f"; best overall: '{best['variant']}', {best['fraction']:.2f} of the fp32 ceiling "
+                     f"({best['fraction_of_bf16_matmul']:.2f} of the bf16 matmul)")
+        notes.append(line + ".")
+    notes.append("One step = forward with targets + backward + AdamW step + zero_grad, on random token batches "
+                 f"made beforehand (data loading excluded). ceiling = fp32 {MATMUL_CEILING_N}^3 matmul GFLOP/s, "
+                 "timed alternating with each step; IQR = spread of the step times (interquartile range / median).")
+    return Table(
+        title="Training step of course_lib.core.model.GPT: tokens/s, model GFLOP/s, fraction of matmul ceiling",
+        columns=[Column("preset", "preset"), Column("variant", "variant"), Column("batch_size", "B"),
+                 Column("seq_len", "T"), Column("step_ms", "step ms", "{:.1f}"),
+                 Column("step_spread", "IQR", "{:.0%}"), Column("tokens_per_s", "tokens/s", "{:,.0f}"),
+                 Column("gflops", "GFLOP/s", "{:.1f}"), Column("matmul_gflops", "ceiling", "{:.1f}"),
+                 Column("fraction", "fraction", "{:.2f}"),
+                 Column("best", "", _best_marker),
+                 Column("fraction_of_bf16_matmul", "of bf16 matmul", "{:.2f}")],
+        rows=rows, notes=notes)

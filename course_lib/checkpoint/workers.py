@@ -1,0 +1,51 @@
+"""Rank workers for ranked checkpoints (Session C): save on N ranks, load on M."""
+
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from course_lib.checkpoint.ranked import load_ranked_checkpoint, read_manifest, save_ranked_checkpoint
+from course_lib.core.model import GPT, GPTConfig
+from course_lib.runtime.env import get_dist_info
+from course_lib.testing import flat_parameters
+
+log = logging.getLogger("course")  # course_lib.runtime.launch sends it to logs/rank_<r>/train.log
+
+
+def save_ranked(directory: str, preset: str = "tiny", seed: int = 0, step: int = 7) -> dict:
+    info = get_dist_info()
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig.from_preset(preset))
+    save_ranked_checkpoint(directory, model, step=step, extra={"data_position": 100 + info.rank})
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def load_ranked(directory: str, preset: str = "tiny", reshard: bool = False) -> dict:
+    torch.manual_seed(1234)  # different weights: the load must overwrite every one
+    model = GPT(GPTConfig.from_preset(preset))
+    result = load_ranked_checkpoint(directory, model, reshard=reshard)
+    result["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return result
+
+
+def load_ranked_here(directory: str, reshard: bool = False) -> dict:
+    """Load a ranked checkpoint on this job's ranks (model shape from its manifest); raises if refused."""
+    manifest = read_manifest(directory)
+    torch.manual_seed(1234)  # other weights than the saved ones: the load must overwrite every parameter
+    model = GPT(GPTConfig(**manifest["model_config"]))
+    result = load_ranked_checkpoint(directory, model, reshard=reshard)
+    return {"rank": get_dist_info().rank, "step": result["step"], "saved_by": result["world_size"],
+            "resharded": result["resharded"], "extra": result["extra"], "params": flat_parameters(model)}
+
+
+def refuse_then_reshard(directory: str) -> dict:
+    """Both answers to a world-size change in one job: the refusal's message, then a resharded load."""
+    try:
+        load_ranked_here(directory, reshard=False)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return {"refused": refused, **load_ranked_here(directory, reshard=True)}

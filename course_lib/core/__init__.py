@@ -1,0 +1,21 @@
+"""The model and everything one process needs to train it: GPT and its config, data, optimizer, one step, device, metrics.
+
+Each module is one concept; the public names below are importable from the package itself, e.g.
+`from course_lib.core import ...`. Rank workers (`*workers.py`) are imported by their module path.
+"""
+
+from course_lib import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "config": ("DEFAULT_CONFIG", "JSON_TO_FIELD", "FIELD_TO_JSON", "config_from_dict", "load_model_config",
+               "config_to_json_dict", "add_dataclass_arguments"),
+    "data": ("CORPUS_FILE", "SPLITS", "SYNTHETIC_KINDS", "ByteTokenizer", "load_corpus", "corpus_stats",
+             "prepare_tokens", "load_tokens", "RandomBatches", "eval_batches", "synthetic_tokens"),
+    "device": ("PRECISIONS", "DEVICE_CHOICES", "mps_available", "select_device", "autocast_dtype",
+               "autocast_context", "needs_grad_scaler"),
+    "metrics": ("METRICS_FILE", "MetricsLogger", "read_metrics"),
+    "model": ("ATTENTION_IMPLS", "GPTConfig", "PRESETS", "RMSNorm", "rotate_half", "apply_rotary_pos_emb",
+              "RotaryEmbedding", "MLP", "causal_attention", "CausalSelfAttention", "Block", "GPT"),
+    "optim": ("param_groups", "configure_optimizer", "get_lr", "make_scheduler"),
+    "steps": ("accumulate_gradients", "clip_gradients", "train_step", "evaluate"),
+})

@@ -1,0 +1,17 @@
+"""Data parallelism: from scratch (naive, then bucketed with overlap), torch DDP, which samples each rank sees, data loading at scale.
+
+Each module is one concept; the public names below are importable from the package itself, e.g.
+`from course_lib.data_parallel import ...`. Rank workers (`*workers.py`) are imported by their module path.
+"""
+
+from course_lib import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "loading": ("SHARD_INDEX", "DELAY_KINDS", "shard_name", "TokenWindowDataset", "write_token_shards",
+                "read_shard_index", "rank_shards", "rank_dataset", "make_loader", "PipelineTiming",
+                "time_input_pipeline", "make_train_step", "compare_workers", "ensure_shards"),
+    "sampler": ("shard_indices",),
+    "scratch": ("broadcast_parameters", "allreduce_gradients", "Bucket", "BucketedDataParallel"),
+    "torch_ddp": ("wrap_ddp", "TokenWindows", "recording_allreduce_hook", "ddp_train", "no_sync_accumulation",
+                  "train_and_accumulate"),
+})

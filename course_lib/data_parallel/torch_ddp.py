@@ -1,0 +1,172 @@
+"""torch DDP training on the corpus, as a training script does it: a DistributedSampler per rank, no_sync
+gradient accumulation, per-rank metrics and logs. Run on every rank of a course_lib.runtime.launch job (or torchrun):
+
+    from course_lib.runtime.launch import launch
+    from course_lib.data_parallel.torch_ddp import ddp_train
+    ranks = launch(ddp_train, 2, kwargs=dict(steps=20, data_dir="data"))   # per-rank records, indices, weights
+
+Each rank logs to the `course` logger, which course_lib.runtime.launch writes to logs/rank_<r>/train.log.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from course_lib.core.data import load_tokens, prepare_tokens
+from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.optim import configure_optimizer
+from course_lib.runtime.env import get_dist_info
+from course_lib.testing import flat_parameters, global_batches
+
+log = logging.getLogger("course")
+
+
+def wrap_ddp(model, device: torch.device, group=None) -> DistributedDataParallel:
+    """torch DDP on this rank's device (one GPU per rank: device_ids; on the CPU: none).
+
+    broadcast_buffers=False: the model's only buffers are the rotary cos/sin tables, computed identically on
+    every rank, so re-sending rank 0's copy before every forward (DDP's default) would be wasted traffic.
+    """
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   process_group=group, broadcast_buffers=False)
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of seq_len tokens; item i is (i, window i as torch.long)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, num_windows: int | None = None):
+        available = len(tokens) // seq_len
+        if available < 1:
+            raise ValueError(f"{len(tokens)} tokens hold no window of seq_len={seq_len}")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.num_windows = available if num_windows is None else min(num_windows, available)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, i: int):
+        return i, self.tokens[i * self.seq_len:(i + 1) * self.seq_len].long()
+
+
+def recording_allreduce_hook(state: dict, bucket):  # no annotations: DDP rejects the strings of __future__
+    """A DDP communication hook: torch's default all-reduce (average over the group), which first notes the
+    bucket's *local* gradient: state['local_sq_norm'] adds its squared norm, state['allreduces'] counts calls.
+    Returns a torch.futures.Future holding the averaged bucket, as DDP requires."""
+    state["local_sq_norm"] += bucket.buffer().double().pow(2).sum().item()
+    state["allreduces"] += 1
+    group = state.get("group") or dist.group.WORLD
+    tensor = bucket.buffer().div_(group.size())
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _epochs(loader: DataLoader, sampler: DistributedSampler):
+    """(epoch, indices, windows) forever; set_epoch gives every epoch a new shuffle, the same on all ranks."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        for indices, windows in loader:
+            yield epoch, indices, windows
+        epoch += 1
+
+
+def ddp_train(steps: int = 30, micro_batch: int = 8, grad_accum_steps: int = 1, seq_len: int = 64,
+              preset: str = "tiny", lr: float = 3e-3, seed: int = 0, data_dir: str = "data",
+              num_windows: int | None = None, log_every: int = 10, rank_metric=None,
+              fail_rank: int | None = None, fail_step: int | None = None) -> dict:
+    """torch DDP training on the corpus, each rank reading its shard through a DistributedSampler.
+
+    Every step accumulates grad_accum_steps micro-batches under no_sync (one gradient all-reduce per step).
+    Per step and rank it records the local loss, the norm of this rank's own gradient before averaging (via a
+    communication hook), the norm of the averaged gradient, tokens seen and the step time; and the dataset
+    indices read. rank_metric(model, windows, info) -> dict adds your own columns; it is called after the
+    gradients are averaged and clipped, before the optimizer step, and must live in a module.
+    fail_rank / fail_step: that rank raises at that step (to see how a job fails).
+    """
+    info = get_dist_info()
+    if info.rank == 0:
+        prepare_tokens(data_dir, progress=False)
+    dist.barrier()  # the others read the token files only once rank 0 has written them
+    dataset = TokenWindows(load_tokens("train", data_dir), seq_len, num_windows)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)  # rank, world size: the group's
+    batches = _epochs(DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True), sampler)
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig.from_preset(preset, block_size=seq_len)).to(info.device)
+    ddp = wrap_ddp(model, info.device)
+    hook_state = {"local_sq_norm": 0.0, "allreduces": 0}
+    ddp.register_comm_hook(hook_state, recording_allreduce_hook)
+    optimizer = configure_optimizer(model, lr)
+    records, indices_read, tokens_seen = [], [], 0
+    for step in range(steps):
+        if info.rank == fail_rank and step == fail_step:
+            raise RuntimeError(f"simulated failure in rank {info.rank} at step {step}")
+        hook_state.update(local_sq_norm=0.0, allreduces=0)
+        start = time.perf_counter()
+        losses, windows_read = [], []
+        for i in range(grad_accum_steps):
+            epoch, indices, windows = next(batches)
+            windows = windows.to(info.device)
+            with ddp.no_sync() if i < grad_accum_steps - 1 else nullcontext():
+                _, loss = ddp(windows, targets=windows)
+                (loss / grad_accum_steps).backward()  # the sum over micro-batches is the mean-loss gradient
+            losses.append(loss.item())
+            indices_read.append((step, epoch, indices.tolist()))
+            windows_read.append(windows)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()  # averaged: same on all ranks
+        extra = rank_metric(model, windows_read, info) if rank_metric is not None else {}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens_seen += grad_accum_steps * micro_batch * seq_len
+        records.append({"step": step, "epoch": epoch, "loss": sum(losses) / len(losses),
+                        "local_grad_norm": math.sqrt(hook_state["local_sq_norm"]), "grad_norm": grad_norm,
+                        "tokens_seen": tokens_seen, "allreduces": hook_state["allreduces"],
+                        "step_s": time.perf_counter() - start, **extra})
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            log.info("step %d loss %.4f local grad norm %.3f synced grad norm %.3f tokens seen %d", step,
+                     records[-1]["loss"], records[-1]["local_grad_norm"], grad_norm, tokens_seen)
+    return {"rank": info.rank, "records": records, "indices": indices_read, "dataset_size": len(dataset),
+            "samples_per_epoch": len(sampler), "threads": torch.get_num_threads(),
+            "params": flat_parameters(model)}
+
+
+def no_sync_accumulation(micro_batch: int = 2, grad_accum_steps: int = 4, seq_len: int = 32,
+                         preset: str = "tiny", seed: int = 0) -> dict:
+    """Gradients of one accumulated step under torch DDP, with no_sync and with a sync after every micro-batch.
+
+    Rank r's micro-batch i is rows (i * world_size + r) * micro_batch ... of
+    global_batches(1, micro_batch * grad_accum_steps * world_size, seq_len, seed)[0], so the whole step covers
+    that global batch once: both variants must equal one process's gradient on it.
+    """
+    info = get_dist_info()
+    rank, world_size = info.rank, info.world_size
+    batch = global_batches(1, micro_batch * grad_accum_steps * world_size, seq_len, seed)[0].to(info.device)
+    out = {}
+    for variant in ("no_sync", "sync_every_micro_batch"):
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig.from_preset(preset, block_size=seq_len)).to(info.device)
+        ddp = wrap_ddp(model, info.device)
+        state = {"local_sq_norm": 0.0, "allreduces": 0}
+        ddp.register_comm_hook(state, recording_allreduce_hook)
+        for i in range(grad_accum_steps):
+            first = (i * world_size + rank) * micro_batch
+            rows = batch[first:first + micro_batch]
+            skip_sync = variant == "no_sync" and i < grad_accum_steps - 1
+            with ddp.no_sync() if skip_sync else nullcontext():
+                _, loss = ddp(rows, targets=rows)
+                (loss / grad_accum_steps).backward()
+        out[variant] = {"grads": {n: p.grad.cpu() for n, p in model.named_parameters()},
+                        "allreduces": state["allreduces"]}
+    return out
+
+
+def train_and_accumulate(train_kwargs: dict | None = None, accumulation_kwargs: dict | None = None) -> dict:
+    """ddp_train(**train_kwargs), then no_sync_accumulation(**accumulation_kwargs), in one job (one start-up)."""
+    return {"train": ddp_train(**(train_kwargs or {})),
+            "accumulation": no_sync_accumulation(**(accumulation_kwargs or {}))}

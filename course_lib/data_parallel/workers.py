@@ -1,0 +1,88 @@
+"""Rank workers for Session B: data parallelism three ways, checked against one process.
+
+    from course_lib.runtime.launch import launch
+    from course_lib.data_parallel.workers import data_parallel_run
+    from course_lib.testing import single_process_run
+    ranks = launch(data_parallel_run, world_size=2, kwargs=dict(strategy="bucketed", steps=3))
+    reference = single_process_run(steps=3)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients, broadcast_parameters
+from course_lib.runtime.collectives import ring_all_reduce
+from course_lib.runtime.env import get_dist_info
+from course_lib.testing import global_batches, seeded_model_and_optimizer
+
+STRATEGIES = ("naive", "bucketed", "torch_ddp")
+
+
+def data_parallel_run(strategy: str = "naive", steps: int = 3, preset: str = "tiny", global_batch: int = 8,
+                      seq_len: int = 32, seed: int = 0, bucket_cap_mb: float = 0.05) -> dict:
+    """Each rank trains on its rows of the global batch and synchronises gradients with `strategy`.
+
+    Returns this rank's first-step gradients, final parameters, per-step local losses and a timeline.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    info = get_dist_info()
+    if global_batch % info.world_size:
+        raise ValueError(f"global_batch ({global_batch}) must be divisible by world_size ({info.world_size})")
+    local_batch = global_batch // info.world_size
+    model, optimizer = seeded_model_and_optimizer(preset, seed + info.rank)  # different init per rank: the broadcast must fix it
+    if strategy == "naive":
+        broadcast_parameters(model)
+        wrapped = model
+    elif strategy == "bucketed":
+        wrapped = BucketedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    else:
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    first_grads, losses, timeline = None, [], []
+    for batch in global_batches(steps, global_batch, seq_len, seed):
+        rows = batch[info.rank * local_batch:(info.rank + 1) * local_batch]
+        optimizer.zero_grad(set_to_none=True)
+        start = time.monotonic()
+        _, loss = wrapped(rows, targets=rows)
+        forward_end = time.monotonic()
+        loss.backward()
+        backward_end = time.monotonic()
+        if strategy == "naive":
+            allreduce_gradients(model)
+        elif strategy == "bucketed":
+            wrapped.finish_gradient_sync()
+        sync_end = time.monotonic()
+        timeline += [("forward", start, forward_end), ("backward", forward_end, backward_end),
+                     ("sync", backward_end, sync_end)]
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    if strategy == "bucketed":
+        timeline += wrapped.timeline
+    dist.barrier()
+    return {"rank": info.rank, "grads": first_grads, "losses": losses, "timeline": timeline,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def all_strategies_run(steps: int = 3, **kwargs) -> dict:
+    """data_parallel_run for every strategy in turn, in the same ranks (one launch instead of three)."""
+    return {strategy: data_parallel_run(strategy, steps, **kwargs) for strategy in STRATEGIES}
+
+
+def ring_allreduce_check(numels=(1, 7, 1000), seed: int = 0) -> list[dict]:
+    """Ring all-reduce and dist.all_reduce on the same random tensors; return both results per size."""
+    info = get_dist_info()
+    results = []
+    for numel in numels:
+        data = torch.randn(numel, generator=torch.Generator().manual_seed(seed + info.rank))
+        reference = data.clone()
+        dist.all_reduce(reference)
+        results.append({"numel": numel, "ring": ring_all_reduce(data.clone()), "reference": reference})
+    return results

@@ -1,0 +1,296 @@
+"""Planning a ~1000-GPU run: memory per GPU, traffic per GPU and the pipeline bubble of (dp, tp, pp, ZeRO) layouts.
+
+    python -m course_lib.hybrid.planner                          # 7B, 70B, 175B on 128 nodes x 8 H100 80GB
+    python -m course_lib.hybrid.planner --model 70B --zero 0 1 3 --fits-only
+    python -m course_lib.hybrid.planner --model 175B --recompute none
+
+Formulas, not measurements (the inputs are printed with every table). For a layout, the busiest GPU holds
+the first pipeline stage: ceil(L / pp) layers with their matrices split over tp, plus the embedding.
+  model states   course_lib.memory.capacity.zero_memory_per_gpu over the dp group (2 + 2 + 12 bytes per parameter)
+  activations    per layer and micro-batch, 16-bit, sequence parallel (Korthikanti et al. 2022, table 2):
+                 s b h (34 + 5 a s / h) / tp   stored        34 s b h / tp   selective recompute (or
+                 FlashAttention, which never stores the a x s x s scores)    2 s b h / tp   full recompute;
+                 under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight
+  DP traffic     course_lib.memory.capacity.data_parallel_traffic: 2 (n-1)/n x 2 bytes x parameters per step
+                 (ZeRO-3: 3 (n-1)/n x 2 bytes x parameters per micro-batch: it gathers them again each time)
+  TP traffic     4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward; sequence parallel
+                 replaces each by an all-gather + reduce-scatter of the same volume), 2 (t-1)/t of it sent
+  PP traffic     per micro-batch, b s h activations forward and their gradients backward, 1/tp per GPU
+  bubble         (pp - 1) / (m + pp - 1) of the step, m = global batch / (dp x micro-batch) micro-batches
+  step time      compute at a fraction of peak, stretched by the bubble, plus the TP and PP transfer times at
+                 the assumed bandwidths, plus the DP time that overlap cannot hide (the last micro-batch's
+                 backward for ZeRO-0/1/2, all the compute for ZeRO-3's prefetched gathers);
+                 MFU = (6 N + 12 L h s) FLOPs per token x tokens / (step time x GPUs x peak)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from course_lib.core.model import GPTConfig
+from course_lib.hybrid.layout import DEFAULT_ORDER, nodes_spanned, parallel_sizes, strides
+from course_lib.memory.accounting import GPU_80GB, count_parameters, format_bytes
+from course_lib.memory.capacity import ZeroMemory, data_parallel_traffic, zero_memory_per_gpu
+
+RECOMPUTE = ("none", "selective", "full")
+ACT_BYTES = 2  # bf16 activations and gradients
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer in the course model's family (SwiGLU MLP, tied embeddings, no biases)."""
+
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    ffn_hidden: int
+    vocab_size: int
+
+    def config(self, seq_len: int) -> GPTConfig:
+        return GPTConfig(vocab_size=self.vocab_size, block_size=seq_len, n_layer=self.n_layer, n_head=self.n_head,
+                         n_embd=self.n_embd, ffn_hidden=self.ffn_hidden)
+
+    @property
+    def n_params(self) -> int:
+        return count_parameters(self.config(1))
+
+
+# LLaMA-7B's shape, a 70B and GPT-3 175B's shape with a SwiGLU MLP of the same size (8 h^2 per layer).
+MODELS = {
+    "7B": ModelShape("7B", n_layer=32, n_embd=4096, n_head=32, ffn_hidden=11008, vocab_size=32000),
+    "70B": ModelShape("70B", n_layer=80, n_embd=8192, n_head=64, ffn_hidden=24576, vocab_size=32000),
+    "175B": ModelShape("175B", n_layer=96, n_embd=12288, n_head=96, ffn_hidden=32768, vocab_size=50304),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine. Bandwidths are nccl-tests style bus bandwidths per GPU: assumptions, replace with yours."""
+
+    n_nodes: int = 128
+    gpus_per_node: int = 8
+    gpu_memory: float = GPU_80GB
+    usable_fraction: float = 0.9
+    """Share of memory a plan may fill: the rest goes to the CUDA context, NCCL buffers, logits, fragmentation."""
+    peak_flops: float = 989e12
+    """Dense bf16 peak of one H100 SXM."""
+    compute_efficiency: float = 0.5
+    """Fraction of peak the matmuls reach when nothing waits for communication."""
+    intra_node_busbw: float = 360e9
+    """NVLink inside a node."""
+    inter_node_busbw: float = 40e9
+    """Network between nodes per GPU (one 400 Gb/s NIC per GPU)."""
+
+    @property
+    def n_gpus(self) -> int:
+        return self.n_nodes * self.gpus_per_node
+
+
+H100_CLUSTER = Cluster()
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int = 1
+    micro_batch: int = 1
+
+
+def check_layout(model: ModelShape, layout: Layout, cluster: Cluster, global_batch: int) -> None:
+    """Raise ValueError naming what makes a layout impossible (sizes that do not divide or multiply out)."""
+    parallel_sizes(cluster.n_gpus, layout.tp, layout.pp, layout.dp)  # dp * tp * pp == number of GPUs
+    if model.n_head % layout.tp or model.ffn_hidden % layout.tp:
+        raise ValueError(f"tp ({layout.tp}) must divide n_head ({model.n_head}) and ffn_hidden ({model.ffn_hidden})")
+    if layout.pp > model.n_layer:
+        raise ValueError(f"pp ({layout.pp}) cannot exceed n_layer ({model.n_layer}): a stage needs a layer")
+    if layout.micro_batch < 1 or global_batch % (layout.dp * layout.micro_batch):
+        raise ValueError(f"global_batch ({global_batch}) must be divisible by dp x micro_batch = "
+                         f"{layout.dp} x {layout.micro_batch}")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {layout.zero_stage!r}")
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_head: int, tp: int = 1,
+                               recompute: str = "selective") -> float:
+    """Bytes one layer keeps for backward, per micro-batch and GPU, with sequence parallelism (Korthikanti)."""
+    sbh = seq_len * micro_batch * n_embd
+    per_sbh = {"none": 34 + 5 * n_head * seq_len / n_embd, "selective": 34, "full": 2}
+    if recompute not in per_sbh:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    return sbh * per_sbh[recompute] / tp
+
+
+def pipeline_bubble(pp: int, n_micro: int) -> float:
+    """Idle fraction of a GPipe / 1F1B step: (p - 1) / (m + p - 1)."""
+    if pp < 1 or n_micro < 1:
+        raise ValueError(f"pp and n_micro must be >= 1, got {pp} and {n_micro}")
+    return (pp - 1) / (n_micro + pp - 1)
+
+
+def tp_bytes_per_gpu(n_layers: int, n_micro: int, micro_batch: int, seq_len: int, n_embd: int, tp: int) -> float:
+    """Bytes a GPU sends per step for tensor parallelism: 4 ring all-reduces of b s h per layer and micro-batch."""
+    return n_layers * n_micro * 4 * 2 * (tp - 1) / tp * micro_batch * seq_len * n_embd * ACT_BYTES
+
+
+def pp_bytes_per_gpu(n_micro: int, micro_batch: int, seq_len: int, n_embd: int, tp: int, pp: int) -> float:
+    """Bytes a middle stage's GPU sends per step: activations forward and gradients backward, 1/tp each."""
+    return 0.0 if pp == 1 else n_micro * 2 * micro_batch * seq_len * n_embd * ACT_BYTES / tp
+
+
+def stage_params(model: ModelShape, tp: int, pp: int) -> float:
+    """Parameters on one GPU of the first pipeline stage: its layers' share plus the embedding's share."""
+    h, layers = model.n_embd, math.ceil(model.n_layer / pp)
+    matrices = 4 * h * h + 3 * h * model.ffn_hidden  # split over tp; the two norms (2 h) are replicated
+    last_stage_norm = h if pp == 1 else 0  # with one stage the final norm sits here too
+    return layers * (matrices / tp + 2 * h) + model.vocab_size * h / tp + last_stage_norm
+
+
+def _link(dim: str, layout: Layout, cluster: Cluster) -> float:
+    """Bandwidth of a group: NVLink if rank 0's group of that kind sits in one node, the network otherwise."""
+    sizes = {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
+    group = [i * strides(sizes, DEFAULT_ORDER)[dim] for i in range(sizes[dim])]
+    inside = len(nodes_spanned(group, cluster.gpus_per_node)) == 1
+    return cluster.intra_node_busbw if inside else cluster.inter_node_busbw
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelShape
+    layout: Layout
+    n_micro: int
+    params_per_gpu: float
+    model_states: ZeroMemory
+    activations: float
+    fits: bool
+    tp_crosses_nodes: bool
+    bubble: float
+    traffic: dict
+    """Bytes sent per GPU per step: {'dp': ..., 'tp': ..., 'pp': ...}."""
+    seconds: dict
+    """{'compute': incl. the bubble, 'dp', 'tp', 'pp': transfer times, 'dp_exposed', 'step'}."""
+    mfu: float
+
+    @property
+    def total(self) -> float:
+        return self.model_states.total + self.activations
+
+
+def plan(model: ModelShape, layout: Layout, cluster: Cluster = H100_CLUSTER, seq_len: int = 4096,
+         global_batch: int = 1024, recompute: str = "selective") -> Plan:
+    """Memory, traffic and an estimated step time for one layout (global_batch in sequences of seq_len)."""
+    check_layout(model, layout, cluster, global_batch)
+    dp, tp, pp, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
+    n_micro, layers = global_batch // (dp * b), math.ceil(model.n_layer / pp)
+    params = stage_params(model, tp, pp)
+    states = zero_memory_per_gpu(params, dp, layout.zero_stage)
+    in_flight = min(pp, n_micro)  # 1F1B: stage 0 starts pp micro-batches before its first backward
+    activations = layers * in_flight * activation_bytes_per_layer(seq_len, b, model.n_embd, model.n_head, tp,
+                                                                  recompute)
+    zero3 = layout.zero_stage == 3
+    dp_per_pass = data_parallel_traffic(params, dp, strategy="zero3" if zero3 else "ddp")
+    traffic = {"dp": dp_per_pass * (n_micro if zero3 else 1),  # ZeRO-3 gathers the weights for every micro-batch
+               "tp": tp_bytes_per_gpu(layers, n_micro, b, seq_len, model.n_embd, tp),
+               "pp": pp_bytes_per_gpu(n_micro, b, seq_len, model.n_embd, tp, pp)}
+    tokens = global_batch * seq_len
+    flops_per_token = 6 * model.n_params + 12 * model.n_layer * model.n_embd * seq_len  # PaLM's, as GPT.flops_per_token
+    work = flops_per_token * (4 / 3 if recompute == "full" else 1)  # full recompute: one more forward
+    compute = work * tokens / (cluster.n_gpus * cluster.peak_flops * cluster.compute_efficiency)
+    bubble = pipeline_bubble(pp, n_micro)
+    seconds = {"compute": compute / (1 - bubble)}
+    seconds.update({dim: traffic[dim] / _link(dim, layout, cluster) for dim in ("dp", "tp", "pp")})
+    # Gradients are final only in the last micro-batch's backward (2/3 of its compute): DP traffic hides there,
+    # as DDP's buckets do; ZeRO-3 prefetches parameters during all the compute. TP and PP transfers sit between
+    # dependent computations: counted in full.
+    hidden = compute if zero3 else 2 / 3 * compute / n_micro
+    seconds["dp_exposed"] = max(0.0, seconds["dp"] - hidden)
+    seconds["step"] = seconds["compute"] + seconds["tp"] + seconds["pp"] + seconds["dp_exposed"]
+    mfu = flops_per_token * tokens / (seconds["step"] * cluster.n_gpus * cluster.peak_flops)
+    fits = states.total + activations <= cluster.gpu_memory * cluster.usable_fraction
+    return Plan(model, layout, n_micro, params, states, activations, fits, tp > cluster.gpus_per_node, bubble,
+                traffic, seconds, mfu)
+
+
+def candidate_layouts(model: ModelShape, cluster: Cluster = H100_CLUSTER, global_batch: int = 1024,
+                      zero_stages=(1,), tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), micro_batch: int = 1):
+    """Every valid (dp, tp, pp, zero) layout of the cluster's GPUs from these choices."""
+    layouts = []
+    for zero in zero_stages:
+        for tp in tps:
+            for pp in pps:
+                if cluster.n_gpus % (tp * pp):
+                    continue
+                layout = Layout(cluster.n_gpus // (tp * pp), tp, pp, zero, micro_batch)
+                try:
+                    check_layout(model, layout, cluster, global_batch)
+                except ValueError:
+                    continue
+                layouts.append(layout)
+    return layouts
+
+
+def best(plans: list[Plan]) -> Plan | None:
+    """The plan that fits with the shortest estimated step (None if none fits)."""
+    fitting = [p for p in plans if p.fits and not p.tp_crosses_nodes]
+    return min(fitting, key=lambda p: p.seconds["step"]) if fitting else None
+
+
+def plan_table(plans: list[Plan]) -> str:
+    head = (f"{'tp':>3}{'pp':>4}{'dp':>6}{'zero':>5}{'micro':>6}{'params/GPU':>11}{'states':>9}{'activ.':>9}"
+            f"{'total':>9}  fits{'bubble':>8}{'TP sent':>9}{'PP sent':>9}{'DP sent':>9}{'step s':>8}{'MFU':>6}")
+    lines = [head]
+    for p in plans:
+        l, gb = p.layout, lambda x: f"{x / 1e9:.1f}G"
+        fits = "yes " if p.fits else "no  "
+        fits = "x-node" if p.tp_crosses_nodes else fits
+        lines.append(f"{l.tp:>3}{l.pp:>4}{l.dp:>6}{l.zero_stage:>5}{p.n_micro:>6}{p.params_per_gpu / 1e9:>10.2f}B"
+                     f"{gb(p.model_states.total):>9}{gb(p.activations):>9}{gb(p.total):>9}  {fits:<6}"
+                     f"{p.bubble:>6.1%}{gb(p.traffic['tp']):>9}{gb(p.traffic['pp']):>9}{gb(p.traffic['dp']):>9}"
+                     f"{p.seconds['step']:>8.2f}{p.mfu:>6.0%}")
+    return "\n".join(lines)
+
+
+def describe(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: int, recompute: str) -> str:
+    return (f"{model.name}: {model.n_params / 1e9:.1f}B parameters, {model.n_layer} layers, h={model.n_embd}, "
+            f"{model.n_head} heads | seq {seq_len}, global batch {global_batch} sequences "
+            f"({global_batch * seq_len / 1e6:.2f}M tokens), recompute={recompute} | {cluster.n_nodes} nodes x "
+            f"{cluster.gpus_per_node} GPUs of {format_bytes(cluster.gpu_memory)} (plans may use "
+            f"{cluster.usable_fraction:.0%}), assumed {cluster.compute_efficiency:.0%} of "
+            f"{cluster.peak_flops / 1e12:g} TFLOP/s, busbw {cluster.intra_node_busbw / 1e9:g} GB/s in a node, "
+            f"{cluster.inter_node_busbw / 1e9:g} GB/s between nodes")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
+    parser.add_argument("--zero", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3])
+    parser.add_argument("--recompute", default="selective", choices=RECOMPUTE)
+    parser.add_argument("--nodes", type=int, default=128)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--fits-only", action="store_true", help="list only the layouts that fit")
+    args = parser.parse_args(argv)
+    cluster = Cluster(n_nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    for name in args.model:
+        model = MODELS[name]
+        plans = [plan(model, layout, cluster, args.seq_len, args.global_batch, args.recompute)
+                 for layout in candidate_layouts(model, cluster, args.global_batch, tuple(args.zero))]
+        shown = [p for p in plans if p.fits and not p.tp_crosses_nodes] if args.fits_only else plans
+        print(describe(model, cluster, args.seq_len, args.global_batch, args.recompute))
+        print(plan_table(shown))
+        choice = best(plans)
+        if choice is None:
+            print("no layout fits: more pipeline stages, ZeRO-3, full recompute or a smaller micro-batch\n")
+        else:
+            l = choice.layout
+            print(f"best estimate: tp={l.tp} pp={l.pp} dp={l.dp} ZeRO-{l.zero_stage}, {format_bytes(choice.total)} "
+                  f"per GPU, bubble {choice.bubble:.1%}, step {choice.seconds['step']:.2f} s, MFU {choice.mfu:.0%}\n")
+
+
+if __name__ == "__main__":
+    main()

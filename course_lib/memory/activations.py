@@ -1,0 +1,244 @@
+"""Activation memory: the bytes autograd saves for backward, measured and predicted to the byte.
+
+Measured: `measure_saved_bytes` runs one training forward (loss included) inside
+`torch.autograd.graph.saved_tensors_hooks`; every tensor autograd saves passes through the pack hook, which
+adds the size of its *storage*, each storage once (q, k and v of SDPA are views of three storages; the
+three bf16 casts of one normalised input under autocast are three storages). Parameters and buffers are
+excluded by storage address: a linear layer saves its weight (or a transposed view of it) and RoPE saves
+its cos/sin tables, but those bytes live whether or not anything is saved. Bytes are attributed to the
+region that was running: "embedding", "block 0".."block L-1" (from the block's input on), "head"
+(final norm, lm_head, cross-entropy).
+
+Predicted: `expected_saved_bytes` adds up the terms of `layer_terms` / `head_terms`, derived operation by
+operation for course_lib.core.model (RMSNorm, RoPE, SwiGLU, no dropout) on the CPU; a test checks them against
+the measurement for several shapes, both attention implementations, fp32 and bf16 autocast, with and
+without activation checkpointing. With b = micro-batch, s = sequence length, h = n_embd, a = n_head,
+F = ffn_hidden, e = bytes of an activation (4 fp32, 2 bf16), per block:
+
+    RMSNorm x2        2 x (input 4sbh + normalised 4sbh + 1/rms 4sb)     (fp32 by design, see RMSNorm)
+    linear inputs     fp32: 4sbh + 4sbh    bf16: 3 x 2sbh (q,k,v each cast it) + 2 x 2sbh (gate, up)
+    q, k, v           3 e sbh              (after RoPE; RoPE itself saves only its cos/sin buffers)
+    attention  sdpa   output e sbh + logsumexp 4abs          (o_proj's input is a view of the output)
+           explicit   softmax e a s^2 b + causal mask s^2 (bool) + o_proj input e sbh
+    SwiGLU            4 e sbF              (gate, silu(gate), up, their product)
+    bf16 only         2 (4h^2 + 3hF)       autocast's bf16 copies of the fp32 weights, saved by the matmuls
+
+fp32 + SDPA: 4 (10 sbh + 4 sbF + 2 sb + abs). bf16 + SDPA: 34 sbh + 8 sbF + 8 sb + 4abs + weight copies.
+With activation checkpointing a block saves only its input x (4sbh, the residual stream is fp32) and
+recomputes the rest during backward, one block at a time.
+
+Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer Models", count
+s b h (34 + 5 a s / h) bytes per layer for GPT-3-style blocks in 16-bit with dropout: 34 sbh = LayerNorm
+inputs 4 + QKV input 2 + Q, K 4 + V 2 + o_proj input 2 + attention dropout mask 1 + MLP input 2 + 4h GeLU
+input 8 + GeLU output 8 + MLP dropout mask 1; 5 a s^2 b = softmax output 2 + its dropout mask 1 + dropout
+output 2. Why our measured numbers differ: (1) no dropout here: -2 sbh of masks and -3 a s^2 b;
+(2) SDPA (flash-style) keeps no s x s matrix, only a logsumexp per row (4abs), so the quadratic term
+disappears; the explicit path keeps the softmax (e a s^2 b) and a bool mask (s^2); (3) RMSNorm computes
+in fp32 and saves input, normalised input and 1/rms (8sbh + 4sb per norm, not 2sbh); (4) autocast casts
+the normalised input separately for each consuming linear (3 + 2 copies) and keeps bf16 copies of the
+weights; (5) SwiGLU with F ~ 8h/3 saves four sbF tensors instead of GeLU's two 4h tensors; (6) the
+residual stream stays fp32 under autocast. On a GPU, CUDA autocast runs softmax in fp32 and SDPA's flash
+kernel also saves a random-number seed/offset: the GPU numbers differ by such terms, so the tests pin
+the CPU.
+
+    python -m course_lib.memory.activations --preset tiny --batch 4 --seq-len 64
+    python -m course_lib.memory.activations --preset small --dtype bf16 --attn-impl explicit --checkpointing
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from course_lib.core.model import GPT, PRESETS, GPTConfig
+from course_lib.memory.accounting import format_bytes
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@dataclass
+class SavedBytes:
+    """What one forward saved for backward: bytes per region, and one record per new storage."""
+
+    by_region: dict[str, int]
+    records: list[dict] = field(default_factory=list)
+    excluded_state_bytes: int = 0
+    """Bytes of parameter/buffer storages that were saved (referenced, not new memory): not in by_region."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_region.values())
+
+
+def _check_shape(config: GPTConfig, batch: int, seq_len: int, dtype: str) -> None:
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+    for name, value, low in (("batch", batch, 1), ("seq_len", seq_len, 2)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if config.dropout != 0.0:
+        raise ValueError(f"the exact formula assumes GPTConfig.dropout == 0 (dropout saves masks), "
+                         f"got dropout={config.dropout}")
+
+
+def layer_terms(config: GPTConfig, batch: int, seq_len: int, *, dtype: str = "fp32",
+                activation_checkpointing: bool | None = None, weight_copies: bool = True) -> dict[str, int]:
+    """Bytes one block saves for backward, term by term (see the module docstring for the derivation).
+
+    weight_copies=False leaves out autocast's bf16 weight copies: with 16-bit parameters (ZeRO's mixed
+    recipe, FSDP's param_dtype) the matmuls save the parameters themselves, which are no new memory.
+    """
+    _check_shape(config, batch, seq_len, dtype)
+    b, s, h, a, F = batch, seq_len, config.n_embd, config.n_head, config.ffn_hidden
+    e, sbh = DTYPE_BYTES[dtype], seq_len * batch * config.n_embd
+    checkpointing = config.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    if checkpointing:
+        return {"block input x (fp32, kept for the recomputation)": 4 * sbh}
+    fp32 = dtype == "fp32"
+    terms = {
+        "attn_norm: input + normalised (fp32)": 2 * 4 * sbh,
+        "attn_norm: 1/rms (fp32)": 4 * s * b,
+        "q/k/v_proj input" + ("" if fp32 else " (3 bf16 casts)"): 4 * sbh if fp32 else 3 * 2 * sbh,
+        "q, k, v after RoPE": 3 * e * sbh,
+    }
+    if config.attn_impl == "sdpa":
+        terms["attention output (= o_proj input)"] = e * sbh
+        terms["attention logsumexp (fp32)"] = 4 * a * s * b
+    else:
+        terms["softmax probabilities (a s^2 b)"] = e * a * s * s * b
+        terms["causal mask (bool, s^2)"] = s * s
+        terms["o_proj input (heads merged, a copy)"] = e * sbh
+    terms.update({
+        "mlp_norm: input + normalised (fp32)": 2 * 4 * sbh,
+        "mlp_norm: 1/rms (fp32)": 4 * s * b,
+        "gate/up_proj input" + ("" if fp32 else " (2 bf16 casts)"): 4 * sbh if fp32 else 2 * 2 * sbh,
+        "SwiGLU: gate, silu(gate), up, product": 4 * e * s * b * F,
+    })
+    if not fp32 and weight_copies:
+        terms["bf16 copies of the block's weights (autocast)"] = 2 * (4 * h * h + 3 * h * F)
+    return terms
+
+
+def head_terms(config: GPTConfig, batch: int, seq_len: int, *, dtype: str = "fp32",
+               weight_copies: bool = True) -> dict[str, dict[str, int]]:
+    """Bytes saved outside the blocks: {"embedding": {...}, "head": {...}}, term by term."""
+    _check_shape(config, batch, seq_len, dtype)
+    b, s, h, V = batch, seq_len, config.n_embd, config.vocab_size
+    fp32 = dtype == "fp32"
+    head = {
+        "norm_f: input + normalised (fp32)": 2 * 4 * s * b * h,
+        "norm_f: 1/rms (fp32)": 4 * s * b,
+        "lm_head input": (4 if fp32 else 2) * s * b * h,
+        "log-softmax of the shifted logits (fp32)": 4 * b * (s - 1) * V,
+        # targets[:, 1:] is a copy for b > 1; for b == 1 it is a view of idx, already counted.
+        "shifted targets (int64)": 8 * b * (s - 1) if b > 1 else 0,
+        "cross-entropy normaliser (fp32 scalar)": 4,
+    }
+    if not fp32 and weight_copies:
+        head["bf16 copy of the (tied) lm_head weight (autocast)"] = 2 * V * h
+    return {"embedding": {"token ids (int64)": 8 * b * s}, "head": head}
+
+
+def expected_saved_bytes(config: GPTConfig, batch: int, seq_len: int, *, dtype: str = "fp32",
+                         activation_checkpointing: bool | None = None) -> dict[str, int]:
+    """Bytes saved for backward by one forward of GPT(config) with targets, per region (as measured)."""
+    per_block = sum(layer_terms(config, batch, seq_len, dtype=dtype,
+                                activation_checkpointing=activation_checkpointing).values())
+    outside = head_terms(config, batch, seq_len, dtype=dtype)
+    regions = {"embedding": sum(outside["embedding"].values())}
+    regions.update({f"block {i}": per_block for i in range(config.n_layer)})
+    regions["head"] = sum(outside["head"].values())
+    return regions
+
+
+def korthikanti_bytes_per_layer(seq_len: int, batch: int, hidden: int, heads: int) -> float:
+    """s b h (34 + 5 a s / h): Korthikanti et al. (2022), 16-bit activations, with dropout, no recomputation."""
+    return seq_len * batch * hidden * (34 + 5 * heads * seq_len / hidden)
+
+
+def measure_saved_bytes(model: GPT, idx: torch.Tensor, *, amp_dtype: torch.dtype | None = None) -> SavedBytes:
+    """Run model(idx, targets=idx) in training mode and count the bytes autograd saves, per region.
+
+    The graph is dropped before returning (no backward runs). amp_dtype: None (fp32) or torch.bfloat16.
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a course_lib.core.model.GPT, got {type(model).__name__}")
+    # Parameters and buffers exist anyway: a saved reference to them costs no new memory.
+    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    region, seen, keep = ["embedding"], set(), []
+    by_region: dict[str, int] = defaultdict(int)
+    records, excluded = [], [0]
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr in state:
+            excluded[0] += nbytes if ptr not in seen else 0
+            seen.add(ptr)
+        elif nbytes and ptr not in seen:
+            seen.add(ptr)
+            keep.append(storage)  # keeps the address taken until we are done, so it cannot be reused
+            by_region[region[0]] += nbytes
+            records.append({"region": region[0], "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                            "bytes": nbytes})
+        return t
+
+    # The label moves on when a module *finishes*, so a checkpointed block's saved input (saved just
+    # before the block runs) is attributed to that block.
+    n = len(model.blocks)
+    names = ["block 0"] + [f"block {i + 1}" if i + 1 < n else "head" for i in range(n)]
+    modules = [model.tok_emb, *model.blocks]
+    handles = [m.register_forward_hook(lambda *_, name=name: region.__setitem__(0, name))
+               for m, name in zip(modules, names)]
+    was_training = model.training
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast(idx.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+                _, loss = model(idx, targets=idx)
+        del loss
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    ordered = {name: by_region.get(name, 0) for name in ["embedding", *names[:n], "head"]}
+    return SavedBytes(by_region=ordered, records=records, excluded_state_bytes=excluded[0])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_BYTES))
+    parser.add_argument("--attn-impl", default="sdpa", choices=("sdpa", "explicit"))
+    parser.add_argument("--checkpointing", action="store_true")
+    args = parser.parse_args(argv)
+    config = GPTConfig.from_preset(args.preset, attn_impl=args.attn_impl, activation_checkpointing=args.checkpointing,
+                                   block_size=max(args.seq_len, PRESETS[args.preset].block_size))
+    torch.manual_seed(0)
+    idx = torch.randint(0, config.vocab_size, (args.batch, args.seq_len))
+    measured = measure_saved_bytes(GPT(config), idx, amp_dtype=AMP_DTYPES[args.dtype])
+    expected = expected_saved_bytes(config, args.batch, args.seq_len, dtype=args.dtype)
+    print(f"{args.preset}, b={args.batch}, s={args.seq_len}, {args.dtype}, {args.attn_impl}, "
+          f"checkpointing={args.checkpointing}")
+    print(f"{'region':<10}{'measured':>14}{'formula':>14}")
+    for name, value in measured.by_region.items():
+        print(f"{name:<10}{value:>14,}{expected[name]:>14,}")
+    print(f"{'total':<10}{measured.total:>14,}{sum(expected.values()):>14,}  ({format_bytes(measured.total)})")
+    print("terms of one block:")
+    for term, value in layer_terms(config, args.batch, args.seq_len, dtype=args.dtype).items():
+        print(f"  {term:<52}{value:>12,}")
+    k = korthikanti_bytes_per_layer(args.seq_len, args.batch, config.n_embd, config.n_head)
+    print(f"Korthikanti et al. per layer (16-bit, dropout): {k:,.0f} bytes; ours ({args.dtype}, {args.attn_impl}): "
+          f"{expected['block 0']:,}")
+
+
+if __name__ == "__main__":
+    main()

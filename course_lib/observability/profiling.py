@@ -1,0 +1,314 @@
+"""Where a training step's time goes: torch.profiler tables and traces, a phase-by-phase split, and MFU.
+
+Three views of the same step, from coarse to fine:
+
+1. `run_step` times the phases of one optimizer step with a wall clock: data, forward, backward,
+   communication (the gradient all-reduce, with several ranks) and optimizer. `step_breakdown` takes
+   medians over many steps; `ddp_step_breakdown` is the worker that does it on real ranks (launch it
+   with course_lib.runtime.launch) and also times torch DDP's step, whose all-reduce overlaps the backward.
+2. `profile_steps` runs a few steps under torch.profiler: a table of the operators that took the most
+   time, a Chrome trace file (open it in chrome://tracing or https://ui.perfetto.dev) in which every
+   phase is a named range, and the shares of the time spent in matmuls, attention, the optimizer,
+   other operators and outside any operator (Python, dispatch).
+3. `measure_throughput` gives tokens/s and model FLOP/s (GPT.flops_per_token), divided on a CPU by a
+   large fp32 matmul timed in alternation with the step ("fraction of matmul ceiling") and on a GPU by
+   the card's dense bf16 peak (MFU).
+
+    python -m course_lib.observability.profiling                       # tiny preset, 2 threads: all three views
+    python -m course_lib.observability.profiling --preset small --out_dir runs/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
+from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.optim import configure_optimizer
+from course_lib.observability.timing import machine_line, setup_threads, time_alternating, time_fn
+
+PHASES = ("data", "forward", "backward", "communication", "optimizer")
+CATEGORIES = ("matmul", "attention", "optimizer", "communication", "other operators", "outside operators")
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+MATMUL_CEILING_N = 2048
+"""Side of the square fp32 matmul whose FLOP/s is the CPU ceiling (as in scripts/bench.py)."""
+GPU_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L40": 181.0,
+                   "L4": 121.0, "A10": 125.0, "V100": 125.0}
+"""Dense bf16 (V100: fp16) tensor-core peak in TFLOP/s by GPU name; the first name found in the device's wins."""
+
+
+def make_setup(preset: str = "tiny", batch_size: int = 16, *, data_dir: str | None = None, seed: int = 0,
+               rank: int = 0, lr: float = 1e-3):
+    """(model, optimizer, batches): the course GPT with AdamW, on the corpus (data_dir) or synthetic tokens."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig.from_preset(preset))
+    tokens = load_tokens("train", data_dir) if data_dir is not None else synthetic_tokens(200_000, seed=seed)
+    batches = RandomBatches(tokens, batch_size, model.config.block_size, seed=seed + rank)
+    return model, configure_optimizer(model, lr), batches
+
+
+def _sync(device: torch.device) -> None:
+    # A GPU runs kernels asynchronously: without a sync the clock stops when the work is queued, not done.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_step(model, optimizer, batches, *, communicate=None, forward_context=nullcontext) -> dict[str, float]:
+    """One optimizer step; returns the seconds of each phase that ran (see PHASES), and "total".
+
+    Each phase is also a profiler range (record_function), so it shows up by name in a trace.
+    communicate(): called between backward and the optimizer (e.g. an explicit gradient all-reduce).
+    forward_context: wraps forward and backward (e.g. DDP's no_sync, to keep backward free of communication).
+    """
+    device = next(model.parameters()).device
+    times: dict[str, float] = {}
+
+    @contextmanager
+    def phase(name):
+        with record_function(name):
+            start = time.perf_counter()
+            yield
+            _sync(device)
+            times[name] = time.perf_counter() - start
+
+    with phase("data"):
+        idx = next(batches).to(device)
+    with forward_context():
+        with phase("forward"):
+            _, loss = model(idx, targets=idx)
+        with phase("backward"):
+            loss.backward()
+    if communicate is not None:
+        with phase("communication"):
+            communicate()
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    times["total"] = sum(times.values())
+    return times
+
+
+def medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds of each key over a list of run_step results."""
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+
+
+def step_breakdown(model, optimizer, batches, *, steps: int = 10, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per phase of `steps` steps of one process, after `warmup` untimed steps."""
+    for _ in range(warmup):
+        run_step(model, optimizer, batches)
+    return medians([run_step(model, optimizer, batches) for _ in range(steps)])
+
+
+def allreduce_gradients_flat(model) -> int:
+    """Average every gradient over the ranks with ONE all-reduce of a flat buffer (as one DDP bucket).
+    Returns the bytes all-reduced."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat.numel() * flat.element_size()
+
+
+def ddp_step_breakdown(preset: str = "tiny", batch_size: int = 16, steps: int = 10, warmup: int = 2, seed: int = 0,
+                       data_dir: str | None = None, return_params: bool = False) -> dict:
+    """Rank worker: phase medians with the all-reduce as its own phase, and torch DDP's overlapped step.
+
+    Steps alternate A B A B (same machine load for both):
+    A "separate": forward and backward under DDP's no_sync (no communication), then one timed all-reduce
+      of all gradients: data + forward + backward + communication + optimizer, nothing overlapped;
+    B "ddp": a normal DDP step, whose bucketed all-reduce runs while backward still computes.
+    The all-reduce waits for the slowest rank, so "communication" includes any imbalance between ranks.
+    return_params: also return the trained parameters, flattened (replicas must be identical).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer, batches = make_setup(preset, batch_size, data_dir=data_dir, seed=seed, rank=rank)
+    # The rotary cos/sin buffers are constants: broadcasting them every forward would only add traffic.
+    ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def separate():
+        return run_step(ddp, optimizer, batches, forward_context=ddp.no_sync,
+                        communicate=lambda: allreduce_gradients_flat(model))
+
+    def overlapped():
+        return run_step(ddp, optimizer, batches)
+
+    for _ in range(warmup):
+        separate(), overlapped()
+    samples = {"separate": [], "ddp": []}
+    for _ in range(steps):
+        samples["separate"].append(separate())
+        samples["ddp"].append(overlapped())
+    result = {"rank": rank, "world_size": world_size, "bytes": nbytes, "threads": torch.get_num_threads(),
+              "separate": medians(samples["separate"]), "ddp": medians(samples["ddp"])}
+    algbw = nbytes / result["separate"]["communication"]
+    result["algbw_gb_s"], result["busbw_gb_s"] = algbw / 1e9, algbw * 2 * (world_size - 1) / world_size / 1e9
+    if return_params:
+        result["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return result
+
+
+def _category(event) -> str:
+    node = event
+    while node is not None:  # whatever runs inside the optimizer or the all-reduce belongs to it
+        if node.name.startswith(("Optimizer.", "optimizer")):
+            return "optimizer"
+        if node.name == "communication" or "all_reduce" in node.name or "allreduce" in node.name:
+            return "communication"
+        node = node.cpu_parent
+    if event.name in MATMUL_OPS:
+        return "matmul"
+    return "attention" if "scaled_dot_product" in event.name else "other operators"
+
+
+@contextmanager
+def without_profiler_banner():
+    """Drop the 'profiler_start/stop' lines the C++ profiler writes to file descriptor 2; pass on the rest."""
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if "SyncActivityProfilerHandler" not in line:
+                    sys.stderr.write(line)
+
+
+@dataclass
+class ProfileReport:
+    table: str
+    """torch.profiler's operator table, sorted by self time."""
+    trace_path: Path
+    """The Chrome trace (JSON): chrome://tracing or https://ui.perfetto.dev."""
+    top_operators: list[dict]
+    """{name, calls, self_ms (per step), share} of the operators with the most self time."""
+    shares: dict[str, float]
+    """Fraction of the profiled wall time by CATEGORIES."""
+    steps: int
+    wall_s: float
+
+
+def profile_steps(step_fn, *, steps: int = 3, warmup: int = 2, out_dir=".", trace_name: str = "trace.json",
+                  row_limit: int = 12) -> ProfileReport:
+    """Call step_fn() `warmup` times, then `steps` times under torch.profiler; write the trace to out_dir."""
+    for _ in range(warmup):  # first calls allocate memory and pick kernels: not what a long run looks like
+        step_fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with without_profiler_banner():
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step_fn()
+        wall_us = (time.perf_counter() - start) * 1e6
+    trace_path = Path(out_dir) / trace_name
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace_path))
+    averages = [e for e in prof.key_averages() if not e.is_user_annotation]
+    total_self = sum(e.self_cpu_time_total for e in averages) or 1.0
+    top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:row_limit]
+    top_operators = [{"name": e.key, "calls": e.count // steps, "self_ms": e.self_cpu_time_total / 1e3 / steps,
+                      "share": e.self_cpu_time_total / total_self} for e in top]
+    shares = dict.fromkeys(CATEGORIES, 0.0)
+    for event in prof.events():
+        if not event.is_user_annotation:  # a range's own time is Python between operators: "outside"
+            shares[_category(event)] += event.self_cpu_time_total
+    total_us = max(wall_us, sum(shares.values()))  # clock granularity can make the sum exceed the wall time
+    shares["outside operators"] = total_us - sum(shares.values())
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+    return ProfileReport(table=table, trace_path=trace_path, top_operators=top_operators,
+                         shares={k: v / total_us for k, v in shares.items()}, steps=steps, wall_s=wall_us / 1e6)
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU from its name (torch.cuda.get_device_name), None if unknown."""
+    for key, tflops in GPU_PEAK_TFLOPS.items():
+        if key.lower() in name.lower():
+            return tflops * 1e12
+    return None
+
+
+def throughput_report(*, tokens_per_step: int, step_s: float, flops_per_token: int, ceiling_flops: float | None,
+                      ceiling: str) -> dict:
+    """tokens/s = tokens per step / step time; achieved FLOP/s = FLOPs per token x tokens/s; fraction of ceiling."""
+    tokens_per_s = tokens_per_step / step_s
+    achieved = flops_per_token * tokens_per_s
+    return {"tokens_per_step": tokens_per_step, "step_s": step_s, "tokens_per_s": tokens_per_s,
+            "flops_per_token": flops_per_token, "achieved_flops": achieved, "ceiling": ceiling,
+            "ceiling_flops": ceiling_flops, "fraction": achieved / ceiling_flops if ceiling_flops else None}
+
+
+def measure_throughput(model, optimizer, batches, *, rounds: int = 10, warmup: int = 2) -> dict:
+    """Tokens/s and model FLOP/s of run_step, as a fraction of a matmul ceiling (CPU) or of the GPU's peak."""
+    device = next(model.parameters()).device
+    tokens_per_step = batches.batch_size * batches.block_size
+    step = lambda: run_step(model, optimizer, batches)  # noqa: E731
+    if device.type == "cuda":
+        step_s = time_fn(step, warmup=warmup, repeats=rounds, sync=lambda: torch.cuda.synchronize(device)).median
+        name = torch.cuda.get_device_name(device)
+        ceiling_flops, ceiling = gpu_peak_flops(name), f"{name} dense bf16 peak (MFU)"
+    else:
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(MATMUL_CEILING_N, MATMUL_CEILING_N, generator=g) for _ in range(2))
+        timings = time_alternating({"step": step, "matmul": lambda: a @ b}, warmup=warmup, rounds=rounds)
+        step_s = timings["step"].median
+        ceiling_flops = 2 * MATMUL_CEILING_N**3 / timings["matmul"].median
+        ceiling = f"fp32 {MATMUL_CEILING_N}^3 matmul, timed in alternation (fraction of matmul ceiling)"
+    return throughput_report(tokens_per_step=tokens_per_step, step_s=step_s,
+                             flops_per_token=model.flops_per_token(batches.block_size),
+                             ceiling_flops=ceiling_flops, ceiling=ceiling)
+
+
+def format_breakdown(times: dict[str, float]) -> str:
+    """'data 0.1 ms (0%) | forward ...' for the phases present in a run_step / medians result.
+
+    Shares are of the sum of the phases shown (a median of totals is not the sum of the phases' medians)."""
+    total = sum(times.get(p, 0.0) for p in PHASES)
+    return " | ".join(f"{p} {times[p] * 1e3:.1f} ms ({times[p] / total:.0%})" for p in PHASES if p in times)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps")
+    parser.add_argument("--out_dir", default="runs/profile", help="where trace.json goes")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    args = parser.parse_args(argv)
+    setup_threads(args.threads)
+    print(machine_line())
+    model, optimizer, batches = make_setup(args.preset, args.batch_size)
+    report = profile_steps(lambda: run_step(model, optimizer, batches), steps=args.steps, out_dir=args.out_dir)
+    print(report.table)
+    print(f"trace: {report.trace_path} (open in chrome://tracing or https://ui.perfetto.dev)")
+    print("time shares: " + ", ".join(f"{k} {v:.0%}" for k, v in report.shares.items()))
+    print("phases (median of 10 steps): " + format_breakdown(step_breakdown(model, optimizer, batches)))
+    t = measure_throughput(model, optimizer, batches)
+    print(f"{t['tokens_per_s']:,.0f} tokens/s, {t['achieved_flops'] / 1e9:.2f} GFLOP/s = {t['fraction']:.1%} of "
+          f"{t['ceiling']} ({t['ceiling_flops'] / 1e9:.1f} GFLOP/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Pipeline parallelism: stages and micro-batches from scratch, the GPipe and 1F1B schedules, torch.distributed.pipelining.
+
+Each module is one concept; the public names below are importable from the package itself, e.g.
+`from course_lib.pipeline_parallel import ...`. Rank workers (`*workers.py`) are imported by their module path.
+"""
+
+from course_lib import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "schedules": ("COMPUTE_KINDS", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES", "schedule_actions",
+                  "max_in_flight", "simulate_schedule", "predicted_bubble_fraction", "measured_bubble_fraction",
+                  "with_idle", "pipeline_comm_bytes"),
+    "scratch": ("split_layers", "GPTStage", "full_model_name", "shifted_cross_entropy", "tied_weight_group",
+                "broadcast_tied_weight", "allreduce_tied_grad", "PipelineRunner"),
+    "torch_pipelining": ("TORCH_SCHEDULES", "build_torch_pipeline", "torch_pipeline_step"),
+})

@@ -1,0 +1,153 @@
+"""Ranks and their environment: who am I, how many are we, which device and backend.
+
+The same worker code runs under three launchers, and reads the same variables from each:
+
+    torchrun --nproc_per_node=2 scripts/ddp_simulation_train.py      # torchrun sets RANK, WORLD_SIZE, ...
+    python scripts/ddp_simulation_train.py                            # one process, world size 1
+    course_lib.runtime.launch.launch(worker, world_size=2)                    # from a notebook cell
+
+`init_distributed()` reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT,
+picks gloo on CPU and nccl on CUDA, and always passes a timeout: a hung collective then fails after
+`timeout_s` seconds instead of torch's 30-minute default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+LOG_FORMAT = "%(asctime)s [rank {rank}/{world_size}] %(levelname)s %(message)s"
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"environment variable {name} is not set (a launcher such as torchrun sets it)")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+def default_backend(device: torch.device | str) -> str:
+    """nccl for CUDA devices (GPU-to-GPU transfers), gloo for CPU tensors."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def rank_device(local_rank: int, device: str = "auto") -> torch.device:
+    """One GPU per local rank when CUDA is there (and asked for); the CPU otherwise."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was requested but torch.cuda.is_available() is False")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if device != "cpu":
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return torch.device("cpu")
+
+
+def get_dist_info() -> DistInfo:
+    """This process's place in the job; world size 1 when nothing was launched."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        backend = dist.get_backend()
+    else:
+        rank, world_size, backend = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), "none"
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    device_kind = "cuda" if backend == "nccl" else os.environ.get("COURSE_DEVICE", "cpu")
+    return DistInfo(rank, world_size, local_rank, local_world_size, backend, rank_device(local_rank, device_kind))
+
+
+def init_distributed(backend: str | None = None, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+                     store: dist.Store | None = None) -> DistInfo:
+    """Join the process group described by the environment (or a 1-rank group when there is none).
+
+    `store` lets a launcher that already runs a TCPStore hand it over; otherwise MASTER_ADDR and
+    MASTER_PORT (env://) are used, as under torchrun.
+    """
+    if dist.is_initialized():
+        return get_dist_info()
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if not 0 <= rank < world_size:
+        raise RuntimeError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    torch_device = rank_device(local_rank, device)
+    backend = backend or default_backend(torch_device)
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    os.environ["COURSE_DEVICE"] = torch_device.type
+    timeout = timedelta(seconds=timeout_s)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    elif world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # A plain `python script.py`: a one-rank group so the same code paths (all_reduce, barrier) run.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in os.environ:
+                raise RuntimeError(f"environment variable {name} is not set; WORLD_SIZE={world_size} needs a "
+                                   "rendezvous address (torchrun or course_lib.runtime.launch sets it)")
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    return get_dist_info()
+
+
+def cleanup() -> None:
+    """End every rank the same way: a barrier, then destroy the group (avoids aborts at exit)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only."""
+    if get_dist_info().rank == 0:
+        print(*args, **kwargs)
+
+
+def setup_rank_logging(log_dir: str | os.PathLike = "logs", level: int = logging.INFO,
+                       stream=None, console: bool = True) -> logging.Logger:
+    """Log to <log_dir>/rank_<r>/train.log (and, if console, to `stream`, default stderr), tagged with the rank."""
+    info = get_dist_info()
+    path = Path(log_dir) / f"rank_{info.rank}" / "train.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("course")
+    logger.setLevel(level)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    formatter = logging.Formatter(LOG_FORMAT.format(rank=info.rank, world_size=info.world_size))
+    handlers = [logging.FileHandler(path, mode="a")]
+    if console:
+        handlers.append(logging.StreamHandler(stream or sys.stderr))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
+    return logger

@@ -1,0 +1,354 @@
+"""Start N real torch.distributed ranks from Python — a notebook cell or a test — and get their results.
+
+    from course_lib.runtime.launch import launch
+    from course_lib.runtime import workers
+    results = launch(workers.allreduce_demo, world_size=4)   # one entry per rank, in rank order
+
+Each rank is a fresh interpreter (the spawn start method, as torchrun and CUDA need), so it imports the worker by
+its module path: a function defined in a notebook cell cannot be spawned (it lives only in the notebook's
+memory). Put workers in course_lib or in a .py file next to the notebook.
+
+What this adds over torch.multiprocessing.spawn:
+- the rendezvous store runs in the caller on a port the OS picks, so concurrent launches never collide;
+- when a rank raises or dies, every rank is stopped within a second or two and the error names the rank that
+  failed first, with its traceback (spawn reports whichever rank it happens to look at);
+- every collective has a timeout (default 60 s): a rank that never arrives is named, with the stack it was at,
+  instead of a 30-minute silent hang;
+- each rank's output goes to logs/rank_<r>/train.log and is echoed here with a [rank r] prefix.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+from multiprocessing import connection, get_context
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from course_lib.runtime.env import DEFAULT_TIMEOUT_S, init_distributed, setup_rank_logging
+
+STOP_GRACE_S = 1.0  # time the other ranks get to report their own errors before they are killed
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or hung; `rank` is the one that failed first (or did not arrive)."""
+
+    def __init__(self, message: str, rank: int, exitcode: int | None = None, remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank, self.exitcode, self.remote_traceback = rank, exitcode, remote_traceback
+        self.pids: list[int] = []  # the ranks' process ids (all stopped by the time this is raised)
+
+
+# ----------------------------------------------------------------------------------------------- child side
+class _LineSender:
+    """sys.stdout/sys.stderr replacement in a rank: writes to its log file and sends lines to the caller."""
+
+    def __init__(self, conn, lock, log_file, echo: bool):
+        self.conn, self.lock, self.log_file, self.echo, self.buffer = conn, lock, log_file, echo, ""
+
+    def write(self, text: str) -> int:
+        self.log_file.write(text)
+        self.log_file.flush()
+        if self.echo:
+            self.buffer += text
+            *lines, self.buffer = self.buffer.split("\n")
+            for line in lines:
+                with self.lock:
+                    self.conn.send(("log", line))
+        return len(text)
+
+    def flush(self) -> None:
+        self.log_file.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A rank must not outlive its caller (a restarted kernel, a killed test run)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options):
+    # Set here, not inherited: two launches from two threads of one caller must not see each other's values.
+    os.environ.update({key: str(value) for key, value in dict(
+        RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size, MASTER_ADDR=addr,
+        MASTER_PORT=port, OMP_NUM_THREADS=options["threads"]).items()})
+    os.setpgrp()  # own process group: stopping this rank also stops anything it started
+    _exit_with_parent(options["parent_pid"])
+    log_path = Path(options["log_dir"]) / f"rank_{rank}" / "train.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_file = open(log_path, "w", buffering=1)  # one launch, one log
+    os.dup2(log_file.fileno(), 1)  # C++ output (gloo, NCCL warnings) lands in the rank's log too
+    os.dup2(log_file.fileno(), 2)
+    faulthandler.register(signal.SIGUSR1, file=log_file, all_threads=True)  # the caller can ask "where are you?"
+    lock = threading.Lock()
+    sys.stdout = sys.stderr = _LineSender(conn, lock, log_file, options["echo"])
+    phase = "init"
+    try:
+        torch.set_num_threads(options["threads"])
+        store = dist.TCPStore(addr, port, world_size, is_master=False,
+                              timeout=timedelta(seconds=options["timeout_s"]))
+        init_distributed(options["backend"], options["device"], options["timeout_s"], store=store)
+        setup_rank_logging(options["log_dir"], stream=sys.stderr)
+        phase = "worker"
+        result = worker(*args, **kwargs)
+        phase = "result"
+        payload = pickle.dumps(result)
+    except BaseException as exc:  # report, then leave at once: peers may be stuck in a collective with us
+        report = ("error", phase, f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time())
+        with lock:
+            conn.send(report)
+        log_file.write(report[3])
+        log_file.flush()
+        os._exit(1)
+    with lock:
+        conn.send(("result", payload))
+    if conn.recv() == "release":  # every rank finished its worker: now the final barrier cannot mismatch
+        dist.barrier()
+        dist.destroy_process_group()
+    log_file.flush()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------------- caller side
+_ENVIRONMENT_LOCK = threading.Lock()
+
+
+@contextmanager
+def _environment(values: dict):
+    """Temporarily set variables that a new interpreter must see before it imports torch (thread counts)."""
+    with _ENVIRONMENT_LOCK:
+        yield from _patched_environment(values)
+
+
+def _patched_environment(values: dict):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update({key: str(value) for key, value in values.items()})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _check_spawnable(worker) -> None:
+    module = getattr(worker, "__module__", None)
+    main = sys.modules.get("__main__")
+    if module == "__main__" and not getattr(main, "__file__", None):
+        raise TypeError(
+            f"worker {getattr(worker, '__qualname__', worker)!r} is defined in this notebook/interactive session. "
+            "Spawned ranks are new interpreters that import the worker by module path, so it must live in a "
+            "module: use one from course_lib, put it in a .py file next to the notebook and import it, or wrap it "
+            "with course_lib.runtime.spawn.spawnable (which saves a self-contained function to a module)."
+        )
+    try:
+        pickle.dumps(worker)
+    except Exception as exc:
+        raise TypeError(f"worker {worker!r} cannot be sent to the ranks (pickle failed: {exc})") from exc
+
+
+def _is_collateral(message: str) -> bool:
+    """Errors a rank gets because a *peer* failed (its socket closed under a collective)."""
+    lowered = message.lower()
+    return any(s in lowered for s in ("connection closed", "connection reset", "broken pipe", "peer"))
+
+
+def _is_timeout(message: str) -> bool:
+    return "timed out" in message.lower() or "timeout" in message.lower()
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return f"killed by signal {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"exited with code {exitcode}"
+
+
+def _log_tail(log_dir, rank: int, lines: int = 15) -> str:
+    path = Path(log_dir) / f"rank_{rank}" / "train.log"
+    if not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stack_of(proc, log_dir, rank: int) -> str:
+    """Ask a live rank for its Python stack (faulthandler on SIGUSR1) and read it from its log."""
+    path = Path(log_dir) / f"rank_{rank}" / "train.log"
+    start = path.stat().st_size if path.exists() else 0
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return "(process already gone)"
+    time.sleep(0.5)
+    with open(path, errors="replace") as f:
+        f.seek(start)
+        return f.read().strip() or "(no stack reported)"
+
+
+def _stop_all(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
+
+
+def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None, *, backend: str | None = None,
+           device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, log_dir: str | os.PathLike = "logs",
+           threads_per_rank: int | None = None, echo: bool = True, master_addr: str = "127.0.0.1") -> list:
+    """Run `worker(*args, **kwargs)` on `world_size` ranks; return the list of their return values.
+
+    backend: None picks gloo on CPU, nccl on CUDA. device: 'cpu', 'cuda' or 'auto'.
+    timeout_s: collective timeout and hang watchdog. threads_per_rank: default cores // world_size (>= 1).
+    Raises RankFailure naming the rank that failed first.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    _check_spawnable(worker)
+    kwargs = kwargs or {}
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = get_context("spawn")
+    # The caller hosts the rendezvous store on a port the OS picks: no race for a "free" port.
+    store = dist.TCPStore(master_addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    options = dict(backend=backend, device=device, timeout_s=timeout_s, log_dir=str(log_dir), threads=threads,
+                   echo=echo, parent_pid=os.getpid())
+    procs, conns = [], []
+    try:
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            with _environment({"OMP_NUM_THREADS": threads}):
+                proc = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=False,
+                                   args=(rank, world_size, master_addr, store.port, worker, args, kwargs,
+                                         child_conn, options))
+                proc.start()
+            child_conn.close()
+            procs.append(proc)
+            conns.append(parent_conn)
+        return _supervise(procs, conns, log_dir, timeout_s)
+    except RankFailure as failure:
+        failure.pids = [proc.pid for proc in procs]
+        raise
+    finally:
+        _stop_all(procs)
+        for conn in conns:
+            conn.close()
+        del store
+
+
+def _supervise(procs, conns, log_dir, timeout_s) -> list:
+    world_size = len(procs)
+    results, errors, deaths = {}, {}, {}
+    first_done_at = None
+    open_conns = dict(enumerate(conns))
+
+    def drain(rank, conn):
+        try:
+            while conn.poll():
+                message = conn.recv()
+                if message[0] == "log":
+                    print(f"[rank {rank}] {message[1]}", flush=True)
+                elif message[0] == "result":
+                    results[rank] = pickle.loads(message[1])
+                else:
+                    errors[rank] = message[1:]
+        except (EOFError, OSError):
+            open_conns.pop(rank, None)
+
+    while len(results) < world_size:
+        sentinels = {procs[r].sentinel: r for r in range(world_size) if r not in results}
+        ready = connection.wait(list(open_conns.values()) + list(sentinels), timeout=0.5)
+        for rank, conn in list(open_conns.items()):
+            if conn in ready:
+                drain(rank, conn)
+        for handle in ready:
+            rank = sentinels.get(handle)
+            if rank is not None and rank in open_conns:
+                drain(rank, open_conns[rank])
+            if rank is not None and rank not in results and rank not in errors:
+                procs[rank].join(timeout=1)
+                deaths[rank] = procs[rank].exitcode
+        if results and first_done_at is None:
+            first_done_at = time.monotonic()
+        hung = first_done_at is not None and time.monotonic() - first_done_at > timeout_s + STOP_GRACE_S
+        if errors or deaths or hung:
+            _fail(procs, open_conns, drain, results, errors, deaths, log_dir, timeout_s)
+    for conn in conns:
+        conn.send("release")
+    for proc in procs:
+        proc.join(timeout=10)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _fail(procs, open_conns, drain, results, errors, deaths, log_dir, timeout_s):
+    # Give the other ranks a moment to report what they saw, then decide who failed first.
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        for rank, conn in list(open_conns.items()):
+            drain(rank, conn)
+        time.sleep(0.05)
+    for rank, proc in enumerate(procs):
+        if rank not in results and rank not in errors and not proc.is_alive():
+            deaths.setdefault(rank, proc.exitcode)
+    signalled = {r: code for r, code in deaths.items() if code is not None and code < 0}
+    if signalled:  # a rank that was killed outright is the cause; its peers' socket errors are collateral
+        rank = min(signalled)
+        _stop_all(procs)
+        raise RankFailure(f"rank {rank} died ({_signal_name(signalled[rank])}) without reporting an error; "
+                          f"all {len(procs)} ranks were stopped.\n--- last lines of rank {rank}'s log ---\n"
+                          f"{_log_tail(log_dir, rank)}", rank, signalled[rank])
+    own = {r: e for r, e in errors.items() if not _is_collateral(e[1]) and not _is_timeout(e[1])}
+    if own:
+        rank = min(own, key=lambda r: own[r][3])  # earliest report
+        phase, message, remote_tb, _ = own[rank]
+        _stop_all(procs)
+        raise RankFailure(f"rank {rank} failed in {phase}: {message}\nall {len(procs)} ranks were stopped.\n"
+                          f"--- traceback of rank {rank} ---\n{remote_tb}", rank, 1, remote_tb)
+    if errors and all(_is_timeout(e[1]) for e in errors.values()) or not errors and not deaths:
+        waiting = sorted(errors)
+        missing = [r for r in range(len(procs)) if r not in errors]
+        details = [f"rank {waiting[0]} reported: {errors[waiting[0]][1]}"] if waiting else []
+        for rank in missing:
+            if rank in results:
+                details.append(f"rank {rank} had already returned from the worker: it skipped a collective "
+                               "that the others called")
+            else:
+                details.append(f"rank {rank} was still running; its stack:\n{_stack_of(procs[rank], log_dir, rank)}")
+        _stop_all(procs)
+        who = ", ".join(map(str, missing)) or "unknown"
+        raise RankFailure(f"collective timed out after {timeout_s:g} s: rank(s) {who} did not arrive while "
+                          f"rank(s) {', '.join(map(str, waiting)) or 'none'} waited.\n" + "\n".join(details),
+                          missing[0] if missing else -1)
+    rank = min(errors or deaths)
+    message = errors[rank][1] if rank in errors else _signal_name(deaths[rank] or 0)
+    remote_tb = errors[rank][2] if rank in errors else _log_tail(log_dir, rank)
+    _stop_all(procs)
+    raise RankFailure(f"rank {rank} failed: {message}\nall {len(procs)} ranks were stopped.\n{remote_tb}",
+                      rank, deaths.get(rank), remote_tb)

@@ -1,0 +1,99 @@
+"""Profiling: a step's phases, the profiler's table and Chrome trace, the split on 2 DDP ranks, and MFU figures.
+
+    .venv/bin/python -m pytest -q tests/observability/test_profiling.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from course_lib.observability.profiling import (
+    CATEGORIES,
+    PHASES,
+    ddp_step_breakdown,
+    format_breakdown,
+    gpu_peak_flops,
+    make_setup,
+    measure_throughput,
+    profile_steps,
+    run_step,
+    step_breakdown,
+    throughput_report,
+)
+from course_lib.runtime.launch import launch
+
+
+def test_run_step_times_every_phase_and_trains(one_thread):
+    model, optimizer, batches = make_setup("tiny", batch_size=4)
+    before = model.blocks[0].attn.q_proj.weight.detach().clone()
+    times = run_step(model, optimizer, batches)
+    assert set(times) == {"data", "forward", "backward", "optimizer", "total"}
+    assert all(t > 0 for t in times.values())
+    assert times["total"] == pytest.approx(sum(times[p] for p in PHASES if p in times))
+    assert not torch.equal(model.blocks[0].attn.q_proj.weight, before), "the optimizer step must update the weights"
+    assert all(p.grad is None for p in model.parameters()), "gradients are cleared after the step"
+    called = []
+    times = run_step(model, optimizer, batches, communicate=lambda: called.append(True))
+    assert called == [True] and times["communication"] >= 0
+    medians = step_breakdown(model, optimizer, batches, steps=3, warmup=1)
+    text = format_breakdown(medians)
+    assert text.startswith("data ") and "forward" in text and "optimizer" in text
+
+
+def test_profile_writes_a_chrome_trace_with_named_phases(tmp_path, one_thread):
+    model, optimizer, batches = make_setup("tiny", batch_size=4)
+    report = profile_steps(lambda: run_step(model, optimizer, batches), steps=2, warmup=1, out_dir=tmp_path / "prof")
+    assert report.trace_path == tmp_path / "prof" / "trace.json"
+    trace = json.loads(report.trace_path.read_text())
+    ranges = [e for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
+    for name in ("data", "forward", "backward", "optimizer"):
+        assert sum(e["name"] == name for e in ranges) == 2, f"every profiled step has a '{name}' range"
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert "aten::mm" in report.table and "Self CPU" in report.table
+    selfs = [op["self_ms"] for op in report.top_operators]
+    assert selfs == sorted(selfs, reverse=True) and report.top_operators[0]["calls"] >= 1
+    assert set(report.shares) == set(CATEGORIES)
+    assert sum(report.shares.values()) == pytest.approx(1.0)
+    assert report.shares["matmul"] > 0 and report.shares["optimizer"] > 0 and report.shares["communication"] == 0
+
+
+@pytest.mark.distributed
+def test_ddp_breakdown_on_two_ranks(tmp_path):
+    results = launch(ddp_step_breakdown, 2, kwargs=dict(steps=2, warmup=1, batch_size=4, return_params=True),
+                     log_dir=tmp_path, threads_per_rank=1, echo=False)
+    model, _, _ = make_setup("tiny")
+    for r in results:
+        assert r["bytes"] == 4 * model.num_params()
+        assert set(r["separate"]) == set(PHASES) | {"total"}
+        assert "communication" not in r["ddp"], "torch DDP's all-reduce is inside its backward"
+        assert r["separate"]["communication"] > 0
+        assert r["busbw_gb_s"] == pytest.approx(r["algbw_gb_s"])  # 2 (n - 1) / n = 1 for two ranks
+    # Both kinds of step averaged the gradients: the replicas stay identical.
+    torch.testing.assert_close(results[1]["params"], results[0]["params"], rtol=0, atol=0)
+
+
+def test_throughput_report_and_gpu_peaks():
+    report = throughput_report(tokens_per_step=1000, step_s=0.5, flops_per_token=600, ceiling_flops=2.4e6,
+                               ceiling="test")
+    assert report["tokens_per_s"] == 2000 and report["achieved_flops"] == 1.2e6 and report["fraction"] == 0.5
+    assert throughput_report(tokens_per_step=1, step_s=1, flops_per_token=1, ceiling_flops=None,
+                             ceiling="unknown GPU")["fraction"] is None
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_peak_flops("NVIDIA L40S") == 362e12 and gpu_peak_flops("NVIDIA L4") == 121e12
+    assert gpu_peak_flops("NVIDIA A10") == 125e12
+    assert gpu_peak_flops("Quadro P1000") is None
+
+
+def test_measure_throughput_on_cpu(one_thread):
+    model, optimizer, batches = make_setup("tiny", batch_size=4)
+    report = measure_throughput(model, optimizer, batches, rounds=2, warmup=1)
+    assert report["tokens_per_step"] == 4 * model.config.block_size
+    assert report["flops_per_token"] == model.flops_per_token(model.config.block_size)
+    assert "matmul" in report["ceiling"] and report["ceiling_flops"] > 0
+    assert 0 < report["fraction"] < 1, "a tiny model's step cannot beat a large matmul"
+    assert report["achieved_flops"] == pytest.approx(report["flops_per_token"] * report["tokens_per_s"])

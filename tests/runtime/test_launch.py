@@ -1,0 +1,106 @@
+"""The launcher: real ranks, results back in rank order, failures named and contained, no leftovers."""
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from course_lib.runtime import workers
+from course_lib.runtime.launch import RankFailure, launch
+
+pytestmark = pytest.mark.distributed
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie still answers kill(0); it is gone if its state is Z and it has no process group members.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1].split()[0] == "Z"
+
+
+def _children_of_this_process() -> list[int]:
+    me = str(os.getpid())
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(") ", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] != "Z":
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"resource_tracker" not in f.read():  # multiprocessing's helper, not a rank
+                        kids.append(int(entry))
+    return kids
+
+
+def test_results_in_rank_order_and_env(tmp_path):
+    results = launch(workers.whoami, world_size=3, log_dir=tmp_path, echo=False)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert {r["world_size"] for r in results} == {3}
+    assert {r["backend"] for r in results} == {"gloo"}
+    assert len({r["pid"] for r in results}) == 3
+    for r in results:
+        assert r["env"]["RANK"] == str(r["rank"]) and r["env"]["LOCAL_RANK"] == str(r["rank"])
+        assert r["env"]["WORLD_SIZE"] == "3" and r["env"]["LOCAL_WORLD_SIZE"] == "3"
+    assert len({r["env"]["MASTER_PORT"] for r in results}) == 1
+    for rank in range(3):
+        assert (tmp_path / f"rank_{rank}" / "train.log").exists()
+    assert _children_of_this_process() == []
+
+
+def test_allreduce_and_rank_logs(tmp_path):
+    results = launch(workers.allreduce_demo, world_size=2, log_dir=tmp_path, echo=False)
+    assert [r["after"] for r in results] == [3.0, 3.0]
+    assert "after all_reduce: 3" in (tmp_path / "rank_1" / "train.log").read_text()
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_failing_rank_stops_the_job_and_is_named(tmp_path, mode):
+    marker = tmp_path / "failed_at"
+    with pytest.raises(RankFailure) as info:
+        launch(workers.failing_worker, world_size=3, args=(2, mode), kwargs={"failed_at_file": str(marker)},
+               log_dir=tmp_path, echo=False, timeout_s=30)
+    raised_at = time.time()
+    failure = info.value
+    assert failure.rank == 2
+    assert "rank 2" in str(failure)
+    if mode == "raise":
+        assert "ValueError: simulated failure in rank 2" in str(failure)
+        assert "failing_worker" in failure.remote_traceback
+    else:
+        assert "SIGKILL" in str(failure)
+    assert raised_at - float(marker.read_text()) < 5.0
+    assert len(failure.pids) == 3 and all(_gone(pid) for pid in failure.pids)
+    assert _children_of_this_process() == []
+
+
+def test_skipped_collective_times_out_naming_the_missing_rank(tmp_path):
+    start = time.time()
+    with pytest.raises(RankFailure, match=r"rank\(s\) 1 did not arrive") as info:
+        launch(workers.failing_worker, world_size=3, args=(1, "skip"), log_dir=tmp_path, echo=False, timeout_s=4)
+    assert info.value.rank == 1
+    assert time.time() - start < 4 + 20  # the timeout plus start-up, never torch's 30-minute default
+    assert _children_of_this_process() == []
+
+
+def test_notebook_defined_worker_is_refused():
+    def local_worker():
+        return 1
+    with pytest.raises(TypeError, match="cannot be sent"):
+        launch(local_worker, world_size=2)
+    with pytest.raises(ValueError, match="world_size"):
+        launch(workers.whoami, world_size=0)
+
+
+def test_two_launches_at_once_do_not_collide(tmp_path):
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(launch, workers.allreduce_demo, 2, log_dir=tmp_path / str(i), echo=False)
+                for i in range(2)]
+        results = [job.result(timeout=120) for job in jobs]
+    assert [[r["after"] for r in res] for res in results] == [[3.0, 3.0], [3.0, 3.0]]

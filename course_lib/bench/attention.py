@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from course_lib.bench.report import Column, Options, Table
 from course_lib.core.model import causal_attention
+from course_lib.memory.activations import count_saved_bytes
 from course_lib.observability.timing import time_alternating
 
 ATTENTION_SHAPE = {"batch": 4, "heads": 12, "head_dim": 64}
@@ -22,20 +23,9 @@ def sdpa(q, k, v):
 
 def saved_bytes(fn, *inputs) -> int:
     """Bytes autograd saves for backward when running fn(*inputs), each storage once, inputs excluded."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs}
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with count_saved_bytes(exclude=inputs) as counter:
         fn(*inputs)
-    return total
+    return counter["bytes"]
 
 
 def run_attention(opts: Options) -> Table:

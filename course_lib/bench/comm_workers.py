@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.model import GPT, GPTConfig
-from course_lib.runtime.collectives import ring_all_reduce
+from course_lib.runtime.collectives import ring_all_reduce, slowest
 from course_lib.runtime.env import get_dist_info
 
 MIB = 2**20
@@ -30,12 +30,6 @@ MIB = 2**20
 def bus_bandwidth(algbw: float, world_size: int) -> float:
     """busbw = algbw * 2 (n - 1) / n: the per-link traffic of a ring all-reduce, comparable across n."""
     return algbw * 2 * (world_size - 1) / world_size
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def allreduce_bandwidth(sizes_mib=(1, 4, 16, 64), iters: int = 5, warmup: int = 1,
@@ -57,7 +51,7 @@ def allreduce_bandwidth(sizes_mib=(1, 4, 16, 64), iters: int = 5, warmup: int = 
                     dist.all_reduce(tensor)
                 else:
                     ring_all_reduce(tensor)
-                elapsed = _slowest(time.perf_counter() - start)
+                elapsed = slowest(time.perf_counter() - start)
                 if i >= warmup:
                     samples[impl].append(elapsed)
                 tensor.fill_(1.0)
@@ -94,7 +88,7 @@ def ddp_throughput(global_batch: int = 16, seq_len: int = 64, preset: str = "tin
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        elapsed = _slowest(time.perf_counter() - start)
+        elapsed = slowest(time.perf_counter() - start)
         if step >= warmup:
             times.append(elapsed)
     seconds = statistics.median(times)

@@ -13,51 +13,35 @@ from collections.abc import Callable
 
 from course_lib.bench.compute import TRAIN_VARIANTS, make_train_step
 from course_lib.bench.report import Column, Options, Table
-from course_lib.observability.profiling import without_profiler_banner
+from course_lib.observability.profiling import category_shares, without_profiler_banner
 
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 PROFILE_SHARES = {
-    "gemm": "GEMM %",
+    "matmul": "GEMM %",
     "attention": "SDPA kernels %",
     "optimizer": "AdamW + zero_grad %",
-    "other_ops": "other ops %",
-    "outside_ops": "outside ops %",
+    "other operators": "other ops %",
+    "outside operators": "outside ops %",
 }
-
-
-def _category(event) -> str:
-    node = event
-    while node is not None:  # anything called inside the optimizer counts as optimizer time
-        if node.name.startswith(("Optimizer.step", "Optimizer.zero_grad")):
-            return "optimizer"
-        node = node.cpu_parent
-    if event.name in GEMM_OPS:
-        return "gemm"
-    return "attention" if "scaled_dot_product" in event.name else "other_ops"
+"""The columns: course_lib.observability.profiling's categories (a one-process step has no communication)."""
 
 
 def step_time_shares(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
     """Fractions of the wall time of `steps` profiled steps, by where the time went (see PROFILE_SHARES).
 
     Each operator's self time (time not spent in the operators it calls) is summed per category;
-    'outside_ops' is the wall time no operator accounts for: Python, autograd bookkeeping, dispatch
+    'outside operators' is the wall time no operator accounts for: Python, autograd bookkeeping, dispatch
     and the profiler's own overhead.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    shares = dict.fromkeys(PROFILE_SHARES, 0.0)
     with without_profiler_banner():
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 step()
         wall_us = (time.perf_counter() - start) * 1e6
-    for event in prof.events():
-        shares[_category(event)] += event.self_cpu_time_total
-    # Clock granularity can make the operators' sum exceed the wall time by a hair: then nothing is outside.
-    total_us = max(wall_us, sum(shares.values()))
-    shares["outside_ops"] = total_us - sum(shares.values())
-    return {name: us / total_us for name, us in shares.items()}
+    shares = category_shares(prof.events(), wall_us)
+    return {name: shares[name] for name in PROFILE_SHARES}
 
 
 def run_profile(opts: Options) -> Table:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.checkpoint.atomic import atomic_write, get_rng_state, set_rng_state, unwrap_model
+from course_lib.runtime.collectives import shard_numel
 
 FORMAT = "course_lib.checkpoint.ranked"
 MANIFEST = "manifest.json"
@@ -40,7 +41,7 @@ def _flat_parameters(model: nn.Module) -> tuple[torch.Tensor, list[tuple[str, li
 
 def shard_bounds(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
     """(start, end, padded_numel): rank's slice of a flat vector padded to a multiple of world_size."""
-    shard = math.ceil(numel / world_size)
+    shard = shard_numel(numel, world_size)
     return rank * shard, (rank + 1) * shard, shard * world_size
 
 

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from course_lib.core.checks import positive_int, positive_ints
+
 CORPUS_FILE = "stdlib_docs.txt"
 SPLITS = ("train", "val")
 SYNTHETIC_KINDS = ("motifs", "cycle", "random")
@@ -160,9 +162,7 @@ def _check_stream(tokens, batch_size: int, block_size: int) -> None:
         raise ValueError(f"tokens must be a 1-D torch.Tensor of token ids, got {shape}")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
-    for name, value in (("batch_size", batch_size), ("block_size", block_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    positive_ints(batch_size=batch_size, block_size=block_size)
     if len(tokens) < block_size:
         raise ValueError(f"tokens has {len(tokens)} tokens, fewer than block_size={block_size}: "
                          "not even one window fits; use a smaller block_size or more data")
@@ -234,8 +234,7 @@ def synthetic_tokens(num_tokens: int, vocab_size: int = 256, seed: int = 0, kind
       one, so the loss can go to 0.
     kind="random": i.i.d. uniform tokens: nothing to learn; the loss stays at ln(vocab_size).
     """
-    if not isinstance(num_tokens, int) or num_tokens <= 0:
-        raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+    positive_int("num_tokens", num_tokens)
     if not isinstance(vocab_size, int) or vocab_size < 2:
         raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
     if kind not in SYNTHETIC_KINDS:

@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from course_lib.core.checks import positive_int
+
 ATTENTION_IMPLS = ("sdpa", "explicit")
 
 
@@ -53,9 +55,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+            positive_int(f"GPTConfig.{name}", getattr(self, name))
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by GPTConfig.n_head "
@@ -68,8 +68,7 @@ class GPTConfig:
             )
         if self.ffn_hidden is None:
             self.ffn_hidden = 16 * math.ceil(8 * self.n_embd / 3 / 16)
-        elif not isinstance(self.ffn_hidden, int) or self.ffn_hidden <= 0:
-            raise ValueError(f"GPTConfig.ffn_hidden must be a positive integer, got {self.ffn_hidden!r}")
+        positive_int("GPTConfig.ffn_hidden", self.ffn_hidden)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if self.norm_eps <= 0 or self.rope_theta <= 0:

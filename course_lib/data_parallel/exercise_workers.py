@@ -7,7 +7,6 @@ train_steps_one_process compute, in one process and with course_lib's code, what
     ranks = launch(check_gradient_averaging, 3, args=(spawnable(data_parallel_backward),))
 """
 
-
 from __future__ import annotations
 
 import torch
@@ -15,33 +14,18 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.model import GPT
 from course_lib.core.optim import make_scheduler
 from course_lib.core.steps import train_step as reference_train_step
+from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 
 
 def _tiny_model(seed: int, frozen: tuple[str, ...] = ()) -> GPT:
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig.from_preset("tiny"))
+    model = seeded_gpt(seed, "tiny")
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
     return model
-
-
-def _batches(count: int, rows: int, seq_len: int, seed: int) -> list[torch.Tensor]:
-    """The same `count` global batches of token ids on every rank; each rank then takes its own rows."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    return [torch.randint(0, 256, (rows, seq_len), generator=generator) for _ in range(count)]
-
-
-def _my_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    per_rank = batch.size(0) // world_size
-    return batch[rank * per_rank:(rank + 1) * per_rank]
-
-
-def _grads(model) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 FROZEN = ("blocks.0.attn.q_proj.weight", "norm_f.weight")
@@ -58,7 +42,7 @@ def check_gradient_averaging(backward_fn, *, rows_per_rank: int = 2, seq_len: in
     results = {"rank": rank, "world_size": world_size}
     for case, frozen in (("all", ()), ("frozen", FROZEN)):
         model = _tiny_model(seed, frozen)
-        rows = _my_rows(_batches(1, rows_per_rank * world_size, seq_len, seed)[0], rank, world_size)
+        rows = local_rows(global_batches(1, rows_per_rank * world_size, seq_len, seed)[0], rank, world_size)
         try:
             loss = backward_fn(model, rows)
         except Exception as err:  # noqa: BLE001 (reported to the caller, which fails the check)
@@ -66,7 +50,7 @@ def check_gradient_averaging(backward_fn, *, rows_per_rank: int = 2, seq_len: in
             continue
         with torch.no_grad():
             local_loss = model(rows, targets=rows)[1].item()
-        results[case] = {"error": None, "grads": _grads(model), "local_loss": local_loss,
+        results[case] = {"error": None, "grads": gradients(model), "local_loss": local_loss,
                          "returned_loss": float(loss) if isinstance(loss, (torch.Tensor, float, int)) else loss}
     return results
 
@@ -77,9 +61,9 @@ def gradient_averaging_reference(world_size: int, *, rows_per_rank: int = 2, seq
     reference = {}
     for case, frozen in (("all", ()), ("frozen", FROZEN)):
         model = _tiny_model(seed, frozen)
-        batch = _batches(1, rows_per_rank * world_size, seq_len, seed)[0]
+        batch = global_batches(1, rows_per_rank * world_size, seq_len, seed)[0]
         model(batch, targets=batch)[1].backward()
-        reference[case] = _grads(model)
+        reference[case] = gradients(model)
     return reference
 
 
@@ -108,10 +92,10 @@ def check_train_step(train_step_fn, *, steps: int = 3, grad_accum_steps: int = 3
         return allreduce_hook(None, bucket)  # DDP's own averaging all-reduce, counted
 
     ddp.register_comm_hook(None, counting_allreduce)
-    batches = _batches(steps * grad_accum_steps, micro_batch * world_size, seq_len, seed)
+    batches = global_batches(steps * grad_accum_steps, micro_batch * world_size, seq_len, seed)
     records, allreduces_per_step = [], []
     for step in range(steps):
-        micro_batches = [_my_rows(b, rank, world_size) for b in batches[step * grad_accum_steps:][:grad_accum_steps]]
+        micro_batches = [local_rows(b, rank, world_size) for b in batches[step * grad_accum_steps:][:grad_accum_steps]]
         before = len(launched)
         records.append(train_step_fn(ddp, micro_batches, optimizer, scheduler, no_sync=ddp.no_sync))
         allreduces_per_step.append(len(launched) - before)
@@ -132,7 +116,7 @@ def train_steps_one_process(train_step_fn=None, world_size: int = 2, *, steps: i
     """
     train_step_fn = train_step_fn or reference_train_step
     model, optimizer, scheduler = _step_setup(seed, lr, steps)
-    batches = _batches(steps * grad_accum_steps, micro_batch * world_size, seq_len, seed)
+    batches = global_batches(steps * grad_accum_steps, micro_batch * world_size, seq_len, seed)
     records = [train_step_fn(model, batches[step * grad_accum_steps:][:grad_accum_steps], optimizer, scheduler,
                              grad_clip=grad_clip)
                for step in range(steps)]

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, RandomSampler
 
+from course_lib.core.checks import positive_int
 from course_lib.core.data import load_tokens, prepare_tokens
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.observability.timing import machine_line
@@ -57,11 +58,9 @@ class TokenWindowDataset(Dataset):
 
     def __init__(self, source, seq_len: int, *, stride: int | None = None, sample_delay_s: float = 0.0,
                  delay_kind: str = "io"):
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        positive_int("seq_len", seq_len)
         self.stride = seq_len if stride is None else stride
-        if not isinstance(self.stride, int) or self.stride < 1:
-            raise ValueError(f"stride must be a positive integer, got {stride!r}")
+        positive_int("stride", self.stride)
         if sample_delay_s < 0 or delay_kind not in DELAY_KINDS:
             raise ValueError(f"sample_delay_s must be >= 0 and delay_kind one of {DELAY_KINDS}, "
                              f"got {sample_delay_s!r}, {delay_kind!r}")
@@ -130,8 +129,7 @@ def write_token_shards(tokens, directory, num_shards: int) -> list[Path]:
     shards: a directory without it is an interrupted write. Returns the shard paths in order.
     """
     array = _as_array(tokens)
-    if not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}")
+    positive_int("num_shards", num_shards)
     per_shard = len(array) // num_shards
     if per_shard < 1:
         raise ValueError(f"{len(array)} tokens cannot fill {num_shards} shards")

@@ -13,14 +13,16 @@ import math
 
 import torch
 
+from course_lib.core.checks import positive_int
+from course_lib.runtime.collectives import shard_numel
+
 
 def shard_indices(num_samples: int, rank: int, world_size: int, *, shuffle: bool = True, seed: int = 0,
                   epoch: int = 0, drop_last: bool = False) -> list[int]:
     """The dataset indices rank `rank` of `world_size` visits in `epoch` (same as DistributedSampler)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in 0..world_size-1, got rank={rank}, world_size={world_size}")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be positive, got {num_samples}")
+    positive_int("num_samples", num_samples)
     if shuffle:
         generator = torch.Generator().manual_seed(seed + epoch)
         indices = torch.randperm(num_samples, generator=generator).tolist()
@@ -29,7 +31,7 @@ def shard_indices(num_samples: int, rank: int, world_size: int, *, shuffle: bool
     if drop_last and num_samples % world_size:
         per_rank = num_samples // world_size  # drop the tail so every rank gets the same count
     else:
-        per_rank = math.ceil(num_samples / world_size)
+        per_rank = shard_numel(num_samples, world_size)
     total = per_rank * world_size
     if total > len(indices):  # pad by wrapping around (repeat the start of the permutation)
         padding = total - len(indices)

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
@@ -31,12 +32,17 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
 
 
 def allreduce_gradients(model: nn.Module, group=None) -> None:
-    """The naive synchronisation: sum each gradient over the ranks, then divide by the world size."""
+    """The naive synchronisation: sum each gradient over the ranks, then divide by the world size.
+
+    A tensor-parallel gradient (a DTensor) is averaged as its local shard, over `group`: the data-parallel
+    ranks that hold the same shard.
+    """
     world_size = dist.get_world_size(group)
     for param in model.parameters():
         if param.grad is not None:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
-            param.grad.div_(world_size)
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+            grad.div_(world_size)
 
 
 class Bucket:

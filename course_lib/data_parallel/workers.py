@@ -1,4 +1,4 @@
-"""Rank workers for Session B: data parallelism three ways, checked against one process.
+"""Rank workers for data parallelism: three ways, checked against one process.
 
     from course_lib.runtime.launch import launch
     from course_lib.data_parallel.workers import data_parallel_run
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients, broadcast_parameters
 from course_lib.runtime.collectives import ring_all_reduce
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import global_batches, seeded_model_and_optimizer
+from course_lib.testing import global_batches, local_rows, seeded_gpt
 
 STRATEGIES = ("naive", "bucketed", "torch_ddp")
 
@@ -32,10 +32,7 @@ def data_parallel_run(strategy: str = "naive", steps: int = 3, preset: str = "ti
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     info = get_dist_info()
-    if global_batch % info.world_size:
-        raise ValueError(f"global_batch ({global_batch}) must be divisible by world_size ({info.world_size})")
-    local_batch = global_batch // info.world_size
-    model, optimizer = seeded_model_and_optimizer(preset, seed + info.rank)  # different init per rank: the broadcast must fix it
+    model = seeded_gpt(seed + info.rank, preset)  # different init per rank: the broadcast must fix it
     if strategy == "naive":
         broadcast_parameters(model)
         wrapped = model
@@ -46,7 +43,7 @@ def data_parallel_run(strategy: str = "naive", steps: int = 3, preset: str = "ti
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     first_grads, losses, timeline = None, [], []
     for batch in global_batches(steps, global_batch, seq_len, seed):
-        rows = batch[info.rank * local_batch:(info.rank + 1) * local_batch]
+        rows = local_rows(batch, info.rank, info.world_size)
         optimizer.zero_grad(set_to_none=True)
         start = time.monotonic()
         _, loss = wrapped(rows, targets=rows)

@@ -32,6 +32,7 @@ from importlib import resources
 import torch
 import torch.nn as nn
 
+from course_lib.core.checks import positive_int
 from course_lib.core.data import RandomBatches
 from course_lib.core.model import PRESETS, GPTConfig
 from course_lib.core.optim import configure_optimizer, make_scheduler
@@ -56,8 +57,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
-        if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-            raise ValueError(f"LoRA rank r must be a positive integer, got {r!r}")
+        positive_int("LoRA rank r", r)
         if r > min(base.in_features, base.out_features):
             raise ValueError(f"LoRA rank r={r} exceeds min(in_features, out_features) = "
                              f"{min(base.in_features, base.out_features)}: a full-rank update needs no LoRA")

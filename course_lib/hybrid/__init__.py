@@ -7,13 +7,13 @@ Each module is one concept; the public names below are importable from the packa
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "dp_tp": ("DATA_PARALLEL", "apply_fsdp", "allreduce_gradients", "tp_collective_counts", "dp_tp_run",
+    "dp_tp": ("DATA_PARALLEL", "apply_fsdp", "tp_collective_counts", "dp_tp_run",
               "dp_tp_runs", "check_parity"),
     "layout": ("DIMS", "DEFAULT_ORDER", "RankPlace", "parallel_sizes", "mesh_shape", "strides", "coordinates",
                "rank_of", "rank_groups", "all_groups", "node_of", "nodes_spanned", "check_tp_within_nodes",
                "format_layout", "torch_mesh_groups"),
-    "planner": ("RECOMPUTE", "ACT_BYTES", "ModelShape", "MODELS", "Cluster", "H100_CLUSTER", "Layout",
-                "check_layout", "activation_bytes_per_layer", "pipeline_bubble", "tp_bytes_per_gpu",
+    "planner": ("ACT_BYTES", "ModelShape", "MODELS", "Cluster", "H100_CLUSTER", "Layout",
+                "check_layout", "pipeline_bubble", "tp_bytes_per_gpu",
                 "pp_bytes_per_gpu", "stage_params", "Plan", "plan", "candidate_layouts", "best", "plan_table",
                 "describe"),
 })

@@ -41,8 +41,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from course_lib.core.model import GPT, GPTConfig
+from course_lib.data_parallel.scratch import allreduce_gradients
 from course_lib.runtime.launch import launch
-from course_lib.tensor_parallel.dtensor import apply_dtensor_tp, full_tensor
+from course_lib.tensor_parallel.dtensor import apply_dtensor_tp, full_copy
 from course_lib.tensor_parallel.scratch import check_tensor_parallel_config
 from course_lib.testing import global_batches, single_process_run
 
@@ -57,22 +58,6 @@ def apply_fsdp(model: GPT, dp_mesh) -> GPT:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
-
-
-def allreduce_gradients(model: torch.nn.Module, dp_group) -> None:
-    """Average gradients over the data-parallel group only (a TP-sharded gradient: its local shard)."""
-    size = dist.get_world_size(dp_group)
-    for param in model.parameters():
-        if param.grad is None:
-            continue
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=dp_group)
-        grad /= size
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (all-gathers a DTensor: call on every rank, in the same order)."""
-    return full_tensor(tensor).detach().clone()
 
 
 def tp_collective_counts(model: GPT, idx: torch.Tensor) -> dict:
@@ -128,14 +113,14 @@ def dp_tp_run(dp: int = 2, tp: int = 2, steps: int = 3, preset: str = "tiny", gl
         if data_parallel == "allreduce":
             allreduce_gradients(model, mesh.get_group("dp"))
         if first_grads is None:
-            first_grads = {name: _full(p.grad) for name, p in model.named_parameters()}
+            first_grads = {name: full_copy(p.grad) for name, p in model.named_parameters()}
         optimizer.step()
         losses.append(loss.item())
     return {"rank": dist.get_rank(), "data_parallel": data_parallel,
             "coords": dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())),
             "groups": {dim: tuple(dist.get_process_group_ranks(mesh.get_group(dim))) for dim in ("dp", "tp")},
             "losses": losses, "grads": first_grads, "local_shapes": local_shapes, "tp_collectives": counts,
-            "params": {name: _full(p) for name, p in model.named_parameters()}}
+            "params": {name: full_copy(p) for name, p in model.named_parameters()}}
 
 
 def dp_tp_runs(data_parallel=DATA_PARALLEL, **kwargs) -> dict:

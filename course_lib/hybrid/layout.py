@@ -23,6 +23,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from course_lib.core.checks import positive_int
+
 DIMS = ("dp", "pp", "tp")
 DEFAULT_ORDER = ("dp", "pp", "tp")
 """Mesh dimensions from slowest- to fastest-varying: data parallel outermost, tensor parallel innermost."""
@@ -54,23 +56,17 @@ def _check_dim(dim: str) -> str:
     return dim
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def parallel_sizes(world_size: int, tp: int, pp: int, dp: int | None = None) -> dict[str, int]:
     """{'dp': ..., 'pp': ..., 'tp': ...}; dp defaults to world_size / (tp * pp). Raises if they do not multiply out."""
-    _positive_int("world_size", world_size)
-    _positive_int("tp", tp)
-    _positive_int("pp", pp)
+    positive_int("world_size", world_size)
+    positive_int("tp", tp)
+    positive_int("pp", pp)
     if dp is None:
         if world_size % (tp * pp):
             raise ValueError(f"world_size ({world_size}) is not divisible by tp * pp = {tp} * {pp} = {tp * pp}: "
                              "the ranks cannot be split into whole data-parallel replicas")
         dp = world_size // (tp * pp)
-    _positive_int("dp", dp)
+    positive_int("dp", dp)
     if dp * tp * pp != world_size:
         raise ValueError(f"world_size ({world_size}) must equal dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp}")
     return {"dp": dp, "pp": pp, "tp": tp}
@@ -129,7 +125,7 @@ def all_groups(places: list[RankPlace], dim: str) -> list[tuple[int, ...]]:
 
 def node_of(rank: int, gpus_per_node: int) -> int:
     """The node a global rank runs on when ranks are numbered node by node (torchrun, SLURM, course_lib.runtime.cluster)."""
-    _positive_int("gpus_per_node", gpus_per_node)
+    positive_int("gpus_per_node", gpus_per_node)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
     return rank // gpus_per_node

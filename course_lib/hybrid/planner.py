@@ -29,12 +29,13 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from course_lib.core.checks import positive_ints
 from course_lib.core.model import GPTConfig
 from course_lib.hybrid.layout import DEFAULT_ORDER, nodes_spanned, parallel_sizes, strides
 from course_lib.memory.accounting import GPU_80GB, count_parameters, format_bytes
+from course_lib.memory.activations import RECOMPUTE, korthikanti_bytes_per_layer
 from course_lib.memory.capacity import ZeroMemory, data_parallel_traffic, zero_memory_per_gpu
 
-RECOMPUTE = ("none", "selective", "full")
 ACT_BYTES = 2  # bf16 activations and gradients
 
 
@@ -115,20 +116,9 @@ def check_layout(model: ModelShape, layout: Layout, cluster: Cluster, global_bat
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {layout.zero_stage!r}")
 
 
-def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_head: int, tp: int = 1,
-                               recompute: str = "selective") -> float:
-    """Bytes one layer keeps for backward, per micro-batch and GPU, with sequence parallelism (Korthikanti)."""
-    sbh = seq_len * micro_batch * n_embd
-    per_sbh = {"none": 34 + 5 * n_head * seq_len / n_embd, "selective": 34, "full": 2}
-    if recompute not in per_sbh:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    return sbh * per_sbh[recompute] / tp
-
-
 def pipeline_bubble(pp: int, n_micro: int) -> float:
     """Idle fraction of a GPipe / 1F1B step: (p - 1) / (m + p - 1)."""
-    if pp < 1 or n_micro < 1:
-        raise ValueError(f"pp and n_micro must be >= 1, got {pp} and {n_micro}")
+    positive_ints(pp=pp, n_micro=n_micro)
     return (pp - 1) / (n_micro + pp - 1)
 
 
@@ -189,8 +179,9 @@ def plan(model: ModelShape, layout: Layout, cluster: Cluster = H100_CLUSTER, seq
     params = stage_params(model, tp, pp)
     states = zero_memory_per_gpu(params, dp, layout.zero_stage)
     in_flight = min(pp, n_micro)  # 1F1B: stage 0 starts pp micro-batches before its first backward
-    activations = layers * in_flight * activation_bytes_per_layer(seq_len, b, model.n_embd, model.n_head, tp,
-                                                                  recompute)
+    per_layer = korthikanti_bytes_per_layer(seq_len, b, model.n_embd, model.n_head, tp=tp, sequence_parallel=True,
+                                            recompute=recompute)
+    activations = layers * in_flight * per_layer
     zero3 = layout.zero_stage == 3
     dp_per_pass = data_parallel_traffic(params, dp, strategy="zero3" if zero3 else "ddp")
     traffic = {"dp": dp_per_pass * (n_micro if zero3 else 1),  # ZeRO-3 gathers the weights for every micro-batch

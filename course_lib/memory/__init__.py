@@ -10,7 +10,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "accounting": ("PRECISIONS", "OPTIMIZER_STATES", "GPU_80GB", "MemoryEstimate", "count_parameters",
                    "estimate_training_memory", "measure_training_memory", "format_bytes", "memory_table"),
     "activations": ("DTYPE_BYTES", "AMP_DTYPES", "SavedBytes", "layer_terms", "head_terms", "expected_saved_bytes",
-                    "korthikanti_bytes_per_layer", "measure_saved_bytes"),
+                    "RECOMPUTE", "korthikanti_bytes_per_layer", "count_saved_bytes", "measure_saved_bytes"),
     "calculator": ("H100_80GB", "MODELS", "SHAPE_ALIASES", "KINDS", "MemoryBreakdown", "resolve_model",
                    "activation_bytes", "memory_per_gpu", "plot_memory_breakdown", "memory_calculator_figure",
                    "MemoryCalculator", "memory_calculator_widget"),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib.core.checks import positive_int
 from course_lib.core.model import PRESETS, GPTConfig
 
 # Bytes per parameter of (weights, gradients, fp32 master copy) for each precision recipe.
@@ -79,8 +80,7 @@ def estimate_training_memory(n_params: int, *, precision: str = "fp32", optimize
     optimizer: 'sgd', 'sgd_momentum', 'adam' or 'adamw' (its states are fp32);
     activations: bytes of saved activations, if you know them (they depend on batch and sequence length).
     """
-    if not isinstance(n_params, int) or isinstance(n_params, bool) or n_params <= 0:
-        raise ValueError(f"n_params must be a positive integer, got {n_params!r}")
+    positive_int("n_params", n_params)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if optimizer not in OPTIMIZER_STATES:

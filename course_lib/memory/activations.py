@@ -49,10 +49,12 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from course_lib.core.checks import positive_ints
 from course_lib.core.model import GPT, PRESETS, GPTConfig
 from course_lib.memory.accounting import format_bytes
 
@@ -157,9 +159,64 @@ def expected_saved_bytes(config: GPTConfig, batch: int, seq_len: int, *, dtype: 
     return regions
 
 
-def korthikanti_bytes_per_layer(seq_len: int, batch: int, hidden: int, heads: int) -> float:
-    """s b h (34 + 5 a s / h): Korthikanti et al. (2022), 16-bit activations, with dropout, no recomputation."""
-    return seq_len * batch * hidden * (34 + 5 * heads * seq_len / hidden)
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recomputation: none, selective (the attention scores are recomputed), full (the whole layer)."""
+
+
+def korthikanti_bytes_per_layer(seq_len: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                                sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Bytes one transformer layer keeps for backward: Korthikanti et al. (2022), table 2 (16-bit, with dropout).
+
+    no TP: s b h (34 + 5 a s / h); TP over t: s b h (10 + 24/t + 5 a s / (h t)); TP + sequence parallelism:
+    s b h (34/t + 5 a s / (h t)). The 10 s b h that plain TP keeps whole on every rank are the two norms'
+    inputs (4), the two regions' inputs (4) and the two residual dropout masks (2); sequence parallelism
+    splits them along the sequence. 5 a s / h is the attention scores, a s^2 per sample: the softmax output
+    (2 bytes), the dropout mask (1) and the dropout output (2), split over the heads. Selective
+    recomputation drops that term; full recomputation keeps only the layer's input, 2 s b h (/ t with
+    sequence parallelism).
+    """
+    positive_ints(seq_len=seq_len, batch=batch, hidden=hidden, heads=heads, tp=tp)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    s, b, h, a, t = seq_len, batch, hidden, heads, tp
+    if recompute == "full":
+        per_sbh = 2 / t if sequence_parallel else 2
+    else:
+        per_sbh = 34 / t if sequence_parallel else 10 + 24 / t
+        if recompute == "none":
+            per_sbh += 5 * a * s / (h * t)
+    return s * b * h * per_sbh
+
+
+@contextmanager
+def count_saved_bytes(exclude=(), on_save=None):
+    """Count the bytes autograd saves for backward inside the block; yields {"bytes", "excluded_bytes"}.
+
+    Every saved tensor passes through a saved_tensors_hooks pack hook. Each storage counts once (views share
+    it); storages of `exclude` (parameters, buffers, inputs: they exist anyway) go to "excluded_bytes".
+    Counted storages stay referenced until the block ends, so a freed address cannot be reused by a new
+    tensor and then be skipped as already seen. on_save(tensor, nbytes) is called for each counted storage.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen, keep, counter = set(), [], {"bytes": 0, "excluded_bytes": 0}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr in seen or not nbytes:
+            return t
+        seen.add(ptr)
+        if ptr in skip:
+            counter["excluded_bytes"] += nbytes
+        else:
+            keep.append(storage)
+            counter["bytes"] += nbytes
+            if on_save is not None:
+                on_save(t, nbytes)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield counter
 
 
 def measure_saved_bytes(model: GPT, idx: torch.Tensor, *, amp_dtype: torch.dtype | None = None) -> SavedBytes:
@@ -169,25 +226,14 @@ def measure_saved_bytes(model: GPT, idx: torch.Tensor, *, amp_dtype: torch.dtype
     """
     if not isinstance(model, GPT):
         raise TypeError(f"model must be a course_lib.core.model.GPT, got {type(model).__name__}")
-    # Parameters and buffers exist anyway: a saved reference to them costs no new memory.
-    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    region, seen, keep = ["embedding"], set(), []
+    region = ["embedding"]
     by_region: dict[str, int] = defaultdict(int)
-    records, excluded = [], [0]
+    records = []
 
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if ptr in state:
-            excluded[0] += nbytes if ptr not in seen else 0
-            seen.add(ptr)
-        elif nbytes and ptr not in seen:
-            seen.add(ptr)
-            keep.append(storage)  # keeps the address taken until we are done, so it cannot be reused
-            by_region[region[0]] += nbytes
-            records.append({"region": region[0], "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                            "bytes": nbytes})
-        return t
+    def record(t: torch.Tensor, nbytes: int) -> None:
+        by_region[region[0]] += nbytes
+        records.append({"region": region[0], "shape": tuple(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                        "bytes": nbytes})
 
     # The label moves on when a module *finishes*, so a checkpointed block's saved input (saved just
     # before the block runs) is attributed to that block.
@@ -199,16 +245,17 @@ def measure_saved_bytes(model: GPT, idx: torch.Tensor, *, amp_dtype: torch.dtype
     was_training = model.training
     model.train()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # Parameters and buffers exist anyway: a saved reference to them costs no new memory.
+        with count_saved_bytes(exclude=(*model.parameters(), *model.buffers()), on_save=record) as counter:
             with torch.autocast(idx.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
                 _, loss = model(idx, targets=idx)
-        del loss
+            del loss
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
     ordered = {name: by_region.get(name, 0) for name in ["embedding", *names[:n], "head"]}
-    return SavedBytes(by_region=ordered, records=records, excluded_state_bytes=excluded[0])
+    return SavedBytes(by_region=ordered, records=records, excluded_state_bytes=counter["excluded_bytes"])
 
 
 def main(argv=None) -> None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from course_lib.core.checks import positive_int
 from course_lib.core.model import GPT, GPTConfig, causal_attention
 from course_lib.observability.timing import machine_line, time_alternating
 
@@ -109,8 +110,7 @@ def _compare(variants: dict[str, Callable[[], object]], baseline: str, rounds: i
 
 def silu_comparison(numel: int = 2**22, rounds: int = 15, warmup: int = 3, seed: int = 0) -> dict:
     """x * sigmoid(x) in two kernels vs F.silu in one; returns {'rows': ..., 'outputs': {variant: tensor}}."""
-    if numel < 1:
-        raise ValueError(f"numel must be positive, got {numel}")
+    positive_int("numel", numel)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     variants = {"x * sigmoid(x)": lambda: x * torch.sigmoid(x), "F.silu(x)": lambda: F.silu(x)}
     return {"rows": _compare(variants, "x * sigmoid(x)", rounds, warmup),

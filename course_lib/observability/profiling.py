@@ -166,7 +166,8 @@ def ddp_step_breakdown(preset: str = "tiny", batch_size: int = 16, steps: int = 
     return result
 
 
-def _category(event) -> str:
+def op_category(event) -> str:
+    """Which of CATEGORIES a profiler event's self time belongs to (its enclosing optimizer or all-reduce first)."""
     node = event
     while node is not None:  # whatever runs inside the optimizer or the all-reduce belongs to it
         if node.name.startswith(("Optimizer.", "optimizer")):
@@ -177,6 +178,18 @@ def _category(event) -> str:
     if event.name in MATMUL_OPS:
         return "matmul"
     return "attention" if "scaled_dot_product" in event.name else "other operators"
+
+
+def category_shares(events, wall_us: float) -> dict[str, float]:
+    """Fractions of wall_us by CATEGORIES: each operator's self time summed per op_category; "outside operators"
+    is the wall time no operator accounts for (Python, autograd bookkeeping, dispatch, the profiler itself)."""
+    shares = dict.fromkeys(CATEGORIES, 0.0)
+    for event in events:
+        if not event.is_user_annotation:  # a range's own time is Python between operators: "outside"
+            shares[op_category(event)] += event.self_cpu_time_total
+    total_us = max(wall_us, sum(shares.values()))  # clock granularity can make the sum exceed the wall time
+    shares["outside operators"] = total_us - sum(shares.values())
+    return {name: us / total_us for name, us in shares.items()}
 
 
 @contextmanager
@@ -231,15 +244,10 @@ def profile_steps(step_fn, *, steps: int = 3, warmup: int = 2, out_dir=".", trac
     top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:row_limit]
     top_operators = [{"name": e.key, "calls": e.count // steps, "self_ms": e.self_cpu_time_total / 1e3 / steps,
                       "share": e.self_cpu_time_total / total_self} for e in top]
-    shares = dict.fromkeys(CATEGORIES, 0.0)
-    for event in prof.events():
-        if not event.is_user_annotation:  # a range's own time is Python between operators: "outside"
-            shares[_category(event)] += event.self_cpu_time_total
-    total_us = max(wall_us, sum(shares.values()))  # clock granularity can make the sum exceed the wall time
-    shares["outside operators"] = total_us - sum(shares.values())
+    shares = category_shares(prof.events(), wall_us)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
     return ProfileReport(table=table, trace_path=trace_path, top_operators=top_operators,
-                         shares={k: v / total_us for k, v in shares.items()}, steps=steps, wall_s=wall_us / 1e6)
+                         shares=shares, steps=steps, wall_s=wall_us / 1e6)
 
 
 def gpu_peak_flops(name: str) -> float | None:

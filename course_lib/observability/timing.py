@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib.core.checks import positive_int
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -124,8 +126,7 @@ def setup_threads(num_threads: int | None = None) -> int:
     """
     if num_threads is None:
         num_threads = os.cpu_count() or 1
-    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive integer, got {num_threads!r}")
+    positive_int("num_threads", num_threads)
     torch.set_num_threads(num_threads)
     return torch.get_num_threads()
 

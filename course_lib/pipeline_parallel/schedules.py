@@ -11,6 +11,8 @@ course_lib.pipeline_parallel.scratch runs these schedules on real ranks.
 
 from __future__ import annotations
 
+from course_lib.core.checks import positive_int
+
 COMPUTE_KINDS = ("forward", "backward")
 
 def gpipe_schedule(n_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -40,8 +42,7 @@ def schedule_actions(name: str, n_stages: int, stage: int, micro_batches: int) -
         raise ValueError(f"stage must be in 0..{n_stages - 1}, got {stage!r}")
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    positive_int("micro_batches", micro_batches)
     return SCHEDULES[name](n_stages, stage, micro_batches)
 
 

@@ -24,7 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from course_lib.core.checks import positive_int
 from course_lib.core.model import GPT
+from course_lib.memory.activations import count_saved_bytes
 from course_lib.pipeline_parallel.schedules import (
     SCHEDULES,
     max_in_flight,
@@ -38,8 +40,7 @@ from course_lib.pipeline_parallel.schedules import (
 # ------------------------------------------------------------------------------------------ the stages
 def split_layers(n_layer: int, n_stages: int) -> list[range]:
     """Contiguous blocks per stage, as even as possible; the first stages take the remainder."""
-    if not isinstance(n_stages, int) or n_stages < 1:
-        raise ValueError(f"n_stages must be a positive integer, got {n_stages!r}")
+    positive_int("n_stages", n_stages)
     if n_stages > n_layer:
         raise ValueError(f"cannot cut GPTConfig.n_layer={n_layer} blocks into {n_stages} pipeline stages: every "
                          f"stage needs at least one block (use at most {n_layer} stages or a deeper model)")
@@ -149,7 +150,7 @@ class PipelineRunner:
             raise ValueError(f"the pipeline has {stage.n_stages} stages but WORLD_SIZE={world_size}: "
                              "run one rank per stage, stage index = rank")
         # Weights and rope tables are saved for backward too, but they are not activations: skip their storage.
-        self.skip = {t.untyped_storage().data_ptr() for t in list(stage.parameters()) + list(stage.buffers())}
+        self.state = [*stage.parameters(), *stage.buffers()]
         self.device = next(stage.parameters()).device
 
     def _now(self) -> float:
@@ -178,16 +179,6 @@ class PipelineRunner:
                 work.wait()
         return buffer
 
-    def _saved_bytes_hooks(self, counter: dict):
-        seen = set()
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self.skip and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())  # views of one tensor share a storage: count it once
-                counter["bytes"] += storage.nbytes()
-            return t
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
     def step(self, tokens: torch.Tensor) -> float | None:
         """One forward + backward of the global batch (gradients accumulate in .grad); the last stage
         returns the batch loss, the others None."""
@@ -213,8 +204,8 @@ class PipelineRunner:
             pending = None
             if kind == "F":
                 x = received.requires_grad_() if receives else tokens[i * b:(i + 1) * b]
-                counter, start = {"bytes": 0}, self._now()
-                with self._saved_bytes_hooks(counter):
+                start = self._now()
+                with count_saved_bytes(exclude=self.state) as counter:
                     y = stage(x)
                     if stage.is_last:  # each micro-batch loss is a mean: scale by 1/m so the grads sum to the mean
                         y = shifted_cross_entropy(y, tokens[i * b:(i + 1) * b]) / m

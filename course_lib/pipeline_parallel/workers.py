@@ -15,7 +15,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.pipeline_parallel.scratch import (
     GPTStage,
     PipelineRunner,
@@ -25,14 +24,9 @@ from course_lib.pipeline_parallel.scratch import (
     tied_weight_group,
 )
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import global_batches
+from course_lib.testing import global_batches, seeded_gpt, train_whole_batches
 
 IMPLEMENTATIONS = ("scratch", "torch")
-
-
-def _full_model(preset: str, config_overrides: dict | None, seed: int) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig.from_preset(preset, **(config_overrides or {})))
 
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -54,18 +48,9 @@ def reference_run(steps: int = 3, preset: str = "tiny", config_overrides: dict |
                   global_batch: int = 8, seq_len: int = 32, seed: int = 0, lr: float = 1e-3,
                   optimizer: str = "adamw") -> dict:
     """One process, the whole model, the whole global batch: first-step gradients, losses, final parameters."""
-    model = _full_model(preset, config_overrides, seed)
-    opt = _optimizer(model.parameters(), optimizer, lr)
-    first_grads, losses = None, []
-    for batch in global_batches(steps, global_batch, seq_len, seed):
-        opt.zero_grad(set_to_none=True)
-        _, loss = model(batch, targets=batch)
-        loss.backward()
-        first_grads = first_grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return {"grads": first_grads, "losses": losses,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    model = seeded_gpt(seed, preset, **(config_overrides or {}))
+    return train_whole_batches(model, _optimizer(model.parameters(), optimizer, lr),
+                               global_batches(steps, global_batch, seq_len, seed))
 
 
 def pipeline_train(schedule: str = "1f1b", steps: int = 3, micro_batches: int = 4, preset: str = "tiny",
@@ -82,7 +67,7 @@ def pipeline_train(schedule: str = "1f1b", steps: int = 3, micro_batches: int = 
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     info = get_dist_info()
-    stage = GPTStage(_full_model(preset, config_overrides, seed), info.rank, info.world_size).to(info.device)
+    stage = GPTStage(seeded_gpt(seed, preset, **(config_overrides or {})), info.rank, info.world_size).to(info.device)
     group = tied_weight_group(info.world_size)
     broadcast_tied_weight(stage, group)
     opt = _optimizer(stage.parameters(), optimizer, lr)
@@ -133,7 +118,7 @@ def bubble_sweep(micro_batch_counts=(1, 2, 4, 8), schedules=("gpipe", "1f1b"), s
     [one per timed step], "micro_batch_ids": [...], "peak_in_flight": n, "peak_activation_bytes": bytes}}.
     """
     info = get_dist_info()
-    stage = GPTStage(_full_model(preset, None, seed), info.rank, info.world_size).to(info.device)
+    stage = GPTStage(seeded_gpt(seed, preset), info.rank, info.world_size).to(info.device)
     generator = torch.Generator().manual_seed(seed + 1)
     variants = {(name, m): PipelineRunner(stage, name, m) for name in schedules for m in micro_batch_counts}
     records = {key: {"timelines": [], "micro_batch_ids": [], "peak_in_flight": 0, "peak_activation_bytes": 0}

@@ -4,6 +4,7 @@
 - `mean_over_ranks`, `slowest`: one number reduced over the ranks (a mean; the max of a time, since a step is
   done only when its slowest rank is done), known to every rank.
 - `gather_to_rank0`: every rank's object on rank 0, one message per rank.
+- `shard_numel`: each rank's share of a vector split into equal (padded) chunks.
 - `rank_tag`: '[node n | local l | rank r]' for log lines.
 
 Ring all-reduce: the tensor is cut into world_size chunks. In the reduce-scatter phase each rank, for world_size - 1 steps,
@@ -50,6 +51,14 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements each of world_size ranks holds when numel is split into equal parts: ceil(numel / world_size).
+
+    Reduce-scatter and all-gather need equal chunks, so a flat vector is padded to world_size times this.
+    """
+    return -(-numel // world_size)
 
 
 def _global(group_rank: int, group) -> int:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from course_lib.core.checks import positive_int
 from course_lib.runtime.env import DEFAULT_TIMEOUT_S, init_distributed, setup_rank_logging
 
 STOP_GRACE_S = 1.0  # time the other ranks get to report their own errors before they are killed
@@ -227,8 +228,7 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
     timeout_s: collective timeout and hang watchdog. threads_per_rank: default cores // world_size (>= 1).
     Raises RankFailure naming the rank that failed first.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    positive_int("world_size", world_size)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     _check_spawnable(worker)

@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from course_lib.core.checks import positive_int
 from course_lib.core.model import Block
 from course_lib.sharding.memory import STEP_COUNTER_BYTES
 
@@ -92,8 +93,7 @@ def mesh_shape(strategy: str, world_size: int, ranks_per_node: int | None = None
     world_size.
     """
     mesh = check_strategy(strategy).mesh
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    positive_int("world_size", world_size)
     if mesh == "shard":
         return (world_size,)
     if mesh == "replicate":

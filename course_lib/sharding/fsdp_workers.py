@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.checkpoint.fsdp import (
@@ -27,7 +26,7 @@ from course_lib.checkpoint.fsdp import (
     save_full_checkpoint,
     save_sharded_checkpoint,
 )
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer, param_groups
 from course_lib.core.steps import train_step
 from course_lib.sharding.fsdp import (
@@ -38,6 +37,8 @@ from course_lib.sharding.fsdp import (
     shard_model,
 )
 from course_lib.sharding.memory import live_bytes, measure_model_states
+from course_lib.tensor_parallel.dtensor import full_copy
+from course_lib.testing import global_batches, local_rows, seeded_gpt, train_whole_batches
 
 PADDED = dict(vocab_size=251, n_layer=2, n_head=3, n_embd=36, ffn_hidden=50, block_size=32)
 """A model whose dims 0 (251, 36, 50) do not divide by 2 or 4: FSDP must pad them."""
@@ -46,22 +47,6 @@ PADDED = dict(vocab_size=251, n_layer=2, n_head=3, n_embd=36, ffn_hidden=50, blo
 def run_all(calls: list[tuple]) -> list:
     """Worker: [fn(**kwargs) for fn, kwargs in calls] — several checks in one launch (one start-up)."""
     return [fn(**kwargs) for fn, kwargs in calls]
-
-
-def _model(seed: int, preset: str = "tiny", config: dict | None = None) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**config) if config else GPTConfig.from_preset(preset))
-
-
-def global_batches(steps: int, rows: int, seq_len: int, seed: int, vocab_size: int = 256) -> list[torch.Tensor]:
-    """The same `steps` batches of token ids on every rank (and in the one-process reference)."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    return [torch.randint(0, vocab_size, (rows, seq_len), generator=generator) for _ in range(steps)]
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (a collective for a DTensor), on the CPU."""
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
 
 
 # ------------------------------------------------------------------ training parity
@@ -83,7 +68,7 @@ def train_fsdp(strategy: str = "FULL_SHARD", *, steps: int = 3, rows_per_rank: i
     after training, this rank's losses and the shapes of its shards.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = _model(seed, preset)
+    model = seeded_gpt(seed, preset)
     if apply_fn is None:
         shard_model(model, strategy=strategy, mp_policy=mixed_precision_policy(precision),
                     ranks_per_node=ranks_per_node)
@@ -92,11 +77,11 @@ def train_fsdp(strategy: str = "FULL_SHARD", *, steps: int = 3, rows_per_rank: i
     optimizer = _optimizer(model, optimizer, lr)
     losses = []
     for batch in global_batches(steps, rows_per_rank * world_size, seq_len, seed):
-        rows = batch[rank * rows_per_rank:(rank + 1) * rows_per_rank]
+        rows = local_rows(batch, rank, world_size)
         losses.append(train_step(model, [rows], optimizer, grad_clip=grad_clip)["loss"])
     return {"rank": rank, "strategy": strategy, "losses": losses, "shapes": local_shapes(model),
             "placements": {n: f"{type(p).__name__} {getattr(p, 'placements', '')}" for n, p in model.named_parameters()},
-            "params": {n: _full(p) for n, p in model.named_parameters()},
+            "params": {n: full_copy(p) for n, p in model.named_parameters()},
             "fsdp_modules": sorted(n or "<root>" for n, m in model.named_modules() if hasattr(m, "reshard"))}
 
 
@@ -104,11 +89,9 @@ def train_one_process(world_size: int = 2, *, steps: int = 3, rows_per_rank: int
                       preset: str = "tiny", optimizer: str = "sgd", lr: float = 0.5, seed: int = 0,
                       grad_clip: float = 1.0) -> dict:
     """The reference of train_fsdp / zero_redundancy_vs_ddp: one process, every rank's rows in each batch."""
-    model = _model(seed, preset)
-    optimizer = _optimizer(model, optimizer, lr)
-    losses = [train_step(model, [batch], optimizer, grad_clip=grad_clip)["loss"]
-              for batch in global_batches(steps, rows_per_rank * world_size, seq_len, seed)]
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    model = seeded_gpt(seed, preset)
+    return train_whole_batches(model, _optimizer(model, optimizer, lr),
+                               global_batches(steps, rows_per_rank * world_size, seq_len, seed), grad_clip=grad_clip)
 
 
 # ------------------------------------------------------------------ bytes per rank
@@ -120,7 +103,7 @@ def fsdp_memory(strategy: str = "FULL_SHARD", *, config: dict | None = None, pre
     (unsharded) parameters under SHARD_GRAD_OP, whose forward keeps them for the backward.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = _model(seed, preset, config)
+    model = seeded_gpt(seed, preset, GPTConfig(**config) if config else None)
     if strategy == "DDP":  # torch DDP, for comparison
         train_model = DistributedDataParallel(model)
     else:
@@ -149,7 +132,7 @@ def zero_redundancy_vs_ddp(*, steps: int = 3, rows_per_rank: int = 2, seq_len: i
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {"rank": rank}
     for variant in ("adamw", "zero1"):
-        model = _model(seed, preset)
+        model = seeded_gpt(seed, preset)
         ddp = DistributedDataParallel(model)
         if variant == "adamw":
             optimizer = configure_optimizer(model, lr)
@@ -157,7 +140,7 @@ def zero_redundancy_vs_ddp(*, steps: int = 3, rows_per_rank: int = 2, seq_len: i
             optimizer = ZeroRedundancyOptimizer(param_groups(model, 0.1), optimizer_class=torch.optim.AdamW,
                                                 lr=lr, betas=(0.9, 0.95))
         for batch in global_batches(steps, rows_per_rank * world_size, seq_len, seed):
-            train_step(ddp, [batch[rank * rows_per_rank:(rank + 1) * rows_per_rank]], optimizer, grad_clip=grad_clip)
+            train_step(ddp, [local_rows(batch, rank, world_size)], optimizer, grad_clip=grad_clip)
         local = optimizer.optim if variant == "zero1" else optimizer  # the AdamW that holds this rank's state
         names = {id(p): n for n, p in model.named_parameters()}
         states = [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -176,13 +159,13 @@ def fsdp_checkpoints(directory: str, *, strategy: str = "FULL_SHARD", steps: int
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory = Path(directory)
     batches = global_batches(steps + 1, rows_per_rank * world_size, seq_len, seed)
-    mine = [b[rank * rows_per_rank:(rank + 1) * rows_per_rank] for b in batches]
+    mine = [local_rows(b, rank, world_size) for b in batches]
 
     def fresh():
-        model = shard_model(_model(seed + 7, preset), strategy=strategy)  # other weights: loading must matter
+        model = shard_model(seeded_gpt(seed + 7, preset), strategy=strategy)  # other weights: loading must matter
         return model, configure_optimizer(model, lr)
 
-    model = shard_model(_model(seed, preset), strategy=strategy)
+    model = shard_model(seeded_gpt(seed, preset), strategy=strategy)
     optimizer = configure_optimizer(model, lr)
     for rows in mine[:steps]:
         train_step(model, [rows], optimizer, grad_clip=1.0)
@@ -191,7 +174,7 @@ def fsdp_checkpoints(directory: str, *, strategy: str = "FULL_SHARD", steps: int
     dist.barrier()  # rank 0's file is complete before anyone reads it
     probe = batches[0][:2]
     with torch.no_grad():
-        logits = _full(model(probe)[0])
+        logits = full_copy(model(probe)[0])
     after = {}
     for source in ("trained", "full", "dcp"):
         if source == "full":
@@ -201,7 +184,7 @@ def fsdp_checkpoints(directory: str, *, strategy: str = "FULL_SHARD", steps: int
             model, optimizer = fresh()
             load_sharded_checkpoint(directory / "dcp", model=model, optimizer=optimizer)
         train_step(model, [mine[steps]], optimizer, grad_clip=1.0)
-        after[source] = {n: _full(p) for n, p in model.named_parameters()}
+        after[source] = {n: full_copy(p) for n, p in model.named_parameters()}
     return {"rank": rank, "logits": logits, "probe": probe, "full_path": str(full_path) if full_path else None,
             "after_one_more_step": after, "files": sorted(p.name for p in (directory / "dcp").iterdir())}
 
@@ -220,10 +203,10 @@ def check_full_checkpoint(save_fn, directory: str, *, strategy: str = "FULL_SHAR
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory = Path(directory)
-    model = shard_model(_model(seed, preset), strategy=strategy)
+    model = shard_model(seeded_gpt(seed, preset), strategy=strategy)
     optimizer = configure_optimizer(model, 1e-2)
     for batch in global_batches(steps, rows_per_rank * world_size, seq_len, seed):
-        train_step(model, [batch[rank * rows_per_rank:(rank + 1) * rows_per_rank]], optimizer, grad_clip=1.0)
+        train_step(model, [local_rows(batch, rank, world_size)], optimizer, grad_clip=1.0)
     saves, error = [], None
 
     def refuse(obj, f, *args, **kwargs):
@@ -239,5 +222,5 @@ def check_full_checkpoint(save_fn, directory: str, *, strategy: str = "FULL_SHAR
     save_sharded_checkpoint(directory / "dcp", model=model)
     probe = global_batches(1, 2, seq_len, seed + 5)[0]
     with torch.no_grad():
-        logits = _full(model(probe)[0])
+        logits = full_copy(model(probe)[0])
     return {"rank": rank, "error": error, "torch_save_calls": saves, "probe": probe, "logits": logits}

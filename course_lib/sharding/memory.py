@@ -28,9 +28,11 @@ import argparse
 
 import torch
 
+from course_lib.core.checks import positive_ints
 from course_lib.memory.accounting import OPTIMIZER_STATES, PRECISIONS, format_bytes
 from course_lib.memory.capacity import zero_memory_per_gpu
-from course_lib.sharding.zero import STAGES, shard_numel
+from course_lib.runtime.collectives import shard_numel
+from course_lib.sharding.zero import STAGES
 
 KINDS = ("params", "grads", "optimizer_states")
 SHARDED_FROM_STAGE = {"optimizer_states": 1, "grads": 2, "params": 3}  # the definition of the three stages
@@ -97,9 +99,7 @@ def expected_model_states(n_params: int, world_size: int, stage: int, *, precisi
     Unsharded terms are bytes * Psi; sharded ones bytes * ceil(Psi / N). n_step_counters: how many 4-byte
     step tensors the optimizer keeps (torch.optim.AdamW: one per parameter tensor; course_lib.sharding.zero: 0).
     """
-    for name, value in (("n_params", n_params), ("world_size", world_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    positive_ints(n_params=n_params, world_size=world_size)
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     if precision not in PRECISIONS:

@@ -40,14 +40,10 @@ import torch.nn as nn
 
 from course_lib.core.optim import param_groups
 from course_lib.data_parallel.scratch import allreduce_gradients, broadcast_parameters
+from course_lib.runtime.collectives import shard_numel
 
 STAGES = (0, 1, 2, 3)
 COMPUTE_DTYPES = {"fp32": torch.float32, "mixed": torch.bfloat16}
-
-
-def shard_numel(numel: int, world_size: int) -> int:
-    """Elements each rank owns: ceil(numel / world_size) (the flat vector is padded to world_size times this)."""
-    return -(-numel // world_size)
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.model import GPT
 from course_lib.core.optim import configure_optimizer
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding import apply_zero
 from course_lib.sharding.memory import live_bytes, measure_model_states
-from course_lib.testing import global_batches
+from course_lib.testing import global_batches, local_rows, seeded_gpt, train_whole_batches
 
 MODEL_PRESET = "tiny"
 MODEL_OVERRIDES = {"n_embd": 66, "n_head": 3}
@@ -32,16 +32,13 @@ TRAINING = dict(lr=1e-3, weight_decay=0.1)  # configure_optimizer's betas (0.9, 
 
 
 def make_model(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig.from_preset(MODEL_PRESET, **MODEL_OVERRIDES))
+    """The model of every ZeRO check (MODEL_PRESET with MODEL_OVERRIDES), seeded."""
+    return seeded_gpt(seed, MODEL_PRESET, **MODEL_OVERRIDES)
 
 
 def _my_rows(batch: torch.Tensor) -> torch.Tensor:
     info = get_dist_info()
-    if batch.shape[0] % info.world_size:
-        raise ValueError(f"global_batch ({batch.shape[0]}) must be divisible by world_size ({info.world_size})")
-    rows = batch.shape[0] // info.world_size
-    return batch[info.rank * rows:(info.rank + 1) * rows].to(info.device)
+    return local_rows(batch, info.rank, info.world_size).to(info.device)
 
 
 def _cpu(params: dict) -> dict:
@@ -51,15 +48,8 @@ def _cpu(params: dict) -> dict:
 def reference_run(steps: int = 3, global_batch: int = 8, seq_len: int = 32, seed: int = 0) -> dict:
     """One process, the whole global batch, torch.optim.AdamW over course_lib.core.optim's parameter groups."""
     model = make_model(seed)
-    optimizer = configure_optimizer(model, **TRAINING)
-    losses = []
-    for batch in global_batches(steps, global_batch, seq_len, seed):
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = model(batch, targets=batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses}
+    return train_whole_batches(model, configure_optimizer(model, **TRAINING),
+                               global_batches(steps, global_batch, seq_len, seed))
 
 
 def ddp_run(steps: int = 3, global_batch: int = 8, seq_len: int = 32, seed: int = 0) -> dict:

@@ -7,10 +7,10 @@ Each module is one concept; the public names below are importable from the packa
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "dtensor": ("make_tp_mesh", "block_plan", "apply_dtensor_tp", "full_tensor", "gather_full_dtensor",
+    "dtensor": ("make_tp_mesh", "block_plan", "apply_dtensor_tp", "full_copy", "gather_full_dtensor",
                 "CollectiveCounter"),
     "scratch": ("TP_ALLREDUCES_PER_LAYER", "CommStats", "CopyToParallelRegion", "ReduceFromParallelRegion",
                 "copy_to_parallel_region", "reduce_from_parallel_region", "ColumnParallelLinear",
                 "RowParallelLinear", "check_tensor_parallel_config", "apply_tensor_parallel", "gather_full",
-                "replicated_parameter_names", "tp_allreduce_bytes_per_layer", "tensor_parallel_activation_bytes"),
+                "replicated_parameter_names", "tp_allreduce_bytes_per_layer"),
 })

@@ -108,9 +108,10 @@ def apply_dtensor_tp(model: GPT, mesh: DeviceMesh, fuse_region_input: bool = Tru
     return model
 
 
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's global value (collective: all ranks call it), or a plain tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+def full_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy of the whole tensor; a DTensor is all-gathered first (a collective: every rank
+    calls it, for the same tensors in the same order)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
 
 
 def gather_full_dtensor(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -120,7 +121,7 @@ def gather_full_dtensor(model: nn.Module, grads: bool = False) -> dict[str, torc
         tensor = param.grad if grads else param.detach()
         if tensor is None:
             raise RuntimeError(f"{name} has no gradient: call backward before gather_full_dtensor(..., grads=True)")
-        full[name] = full_tensor(tensor).detach().clone()
+        full[name] = full_copy(tensor)
     return full
 
 

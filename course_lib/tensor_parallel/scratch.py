@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.core.checks import positive_int, positive_ints
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.data_parallel.scratch import broadcast_parameters
 
@@ -161,8 +162,7 @@ class RowParallelLinear(nn.Module):
 
 def check_tensor_parallel_config(config: GPTConfig, tp_size: int) -> None:
     """Raise a clear error when the heads or the MLP width cannot be split evenly over tp_size ranks."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tensor-parallel size must be a positive integer, got {tp_size!r}")
+    positive_int("tensor-parallel size", tp_size)
     if config.n_head % tp_size:
         raise ValueError(f"GPTConfig.n_head ({config.n_head}) is not divisible by the tensor-parallel size "
                          f"({tp_size}): attention is split by whole heads")
@@ -254,29 +254,5 @@ def tp_allreduce_bytes_per_layer(batch: int, seq_len: int, n_embd: int, element_
 
     Each ring all-reduce of S bytes moves 2 (t-1)/t * S bytes in and out of every rank.
     """
-    for name, value in (("batch", batch), ("seq_len", seq_len), ("n_embd", n_embd), ("element_size", element_size)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    positive_ints(batch=batch, seq_len=seq_len, n_embd=n_embd, element_size=element_size)
     return sum(TP_ALLREDUCES_PER_LAYER.values()) * batch * seq_len * n_embd * element_size
-
-
-def tensor_parallel_activation_bytes(seq_len: int, batch: int, hidden: int, n_head: int, tp: int = 1,
-                                     sequence_parallel: bool = False, n_layer: int = 1) -> float:
-    """Activation memory of Megatron's GPT layer (Korthikanti et al. 2022, 16-bit activations), in bytes.
-
-    no TP: s b h (34 + 5 a s / h); TP over t: s b h (10 + 24/t + 5 a s / (h t));
-    TP + sequence parallelism: s b h (34/t + 5 a s / (h t)). The 10 s b h that plain TP keeps whole on every
-    rank are the two norms' inputs (4), the two regions' inputs (4) and the two residual dropout masks (2);
-    sequence parallelism splits them along the sequence.
-    """
-    for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("n_head", n_head),
-                        ("tp", tp), ("n_layer", n_layer)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    s, b, h, a, t = seq_len, batch, hidden, n_head, tp
-    attention_scores = 5 * a * s / (h * t)  # softmax input/output + dropout mask: a s^2 per sample, split by heads
-    if sequence_parallel:
-        per_layer = s * b * h * (34 / t + attention_scores)
-    else:
-        per_layer = s * b * h * (10 + 24 / t + attention_scores)
-    return n_layer * per_layer

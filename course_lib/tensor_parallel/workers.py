@@ -23,7 +23,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.memory.activations import count_saved_bytes
 from course_lib.runtime.env import get_dist_info
 from course_lib.tensor_parallel.dtensor import CollectiveCounter, apply_dtensor_tp, gather_full_dtensor, make_tp_mesh
 from course_lib.tensor_parallel.scratch import (
@@ -32,6 +32,7 @@ from course_lib.tensor_parallel.scratch import (
     replicated_parameter_names,
     tp_allreduce_bytes_per_layer,
 )
+from course_lib.testing import global_batches, seeded_gpt
 
 DEFAULT_RUNS = (
     ("scratch", dict(implementation="scratch")),
@@ -41,31 +42,11 @@ DEFAULT_RUNS = (
 )
 
 
-def _model(preset: str, seed: int) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig.from_preset(preset))
-
-
-def global_batches(steps: int, batch: int, seq_len: int, seed: int, vocab_size: int = 256) -> list[torch.Tensor]:
-    """The same batches on every rank (tensor parallelism does not split the data)."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    return [torch.randint(0, vocab_size, (batch, seq_len), generator=generator) for _ in range(steps)]
-
-
 def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     """Bytes autograd keeps for backward during one forward (each storage once; parameters excluded)."""
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with count_saved_bytes(exclude=model.parameters()) as counter:
         model(tokens, targets=tokens)
-    return sum(seen.values())
+    return counter["bytes"]
 
 
 def _train(model, optimizer, batches, gather, measure=None) -> dict:
@@ -103,7 +84,7 @@ def _to_cpu(value):
 def reference_run(steps: int = 3, preset: str = "tiny", batch: int = 4, seq_len: int = 32, seed: int = 0,
                   lr: float = 1e-3) -> dict:
     """One process, the whole model: the values every tensor-parallel rank must reproduce."""
-    model = _model(preset, seed)
+    model = seeded_gpt(seed, preset)
 
     def gather(m, grads=False):
         return {n: (p.grad if grads else p.detach()).clone() for n, p in m.named_parameters()}
@@ -160,7 +141,7 @@ def scratch_tp_run(steps: int = 3, preset: str = "tiny", batch: int = 4, seq_len
     """course_lib.tensor_parallel.scratch over groups of tp ranks; gathered results and f/g communication counts."""
     info = get_dist_info()
     group = tensor_parallel_group(tp)
-    model = _model(preset, seed).to(info.device)  # the same full model on every rank; each keeps its slice
+    model = seeded_gpt(seed, preset).to(info.device)  # the same full model on every rank; each keeps its slice
     stats = apply_tensor_parallel(model, group)
     config = model.config
     batches = global_batches(steps, batch, seq_len, seed)
@@ -203,7 +184,7 @@ def dtensor_tp_run(steps: int = 3, preset: str = "tiny", batch: int = 4, seq_len
     """course_lib.tensor_parallel.dtensor (torch's parallelize_module); DTensor's collectives counted on the first step."""
     info = get_dist_info()
     mesh = make_tp_mesh(tp)
-    model = apply_dtensor_tp(_model(preset, seed).to(info.device), mesh, fuse_region_input=fuse_region_input,
+    model = apply_dtensor_tp(seeded_gpt(seed, preset).to(info.device), mesh, fuse_region_input=fuse_region_input,
                              sequence_parallel=sequence_parallel)
     counter = CollectiveCounter()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)

@@ -11,7 +11,6 @@ from course_lib.hybrid.planner import (
     Cluster,
     Layout,
     ModelShape,
-    activation_bytes_per_layer,
     best,
     candidate_layouts,
     check_layout,
@@ -22,6 +21,7 @@ from course_lib.hybrid.planner import (
     tp_bytes_per_gpu,
 )
 from course_lib.memory.accounting import count_parameters
+from course_lib.memory.activations import korthikanti_bytes_per_layer
 from course_lib.memory.capacity import data_parallel_traffic, zero_memory_per_gpu
 
 # 4 layers, h = 8, 2 heads, 2 nodes x 4 GPUs: every number below can be checked on paper.
@@ -30,22 +30,28 @@ TOY_CLUSTER = Cluster(n_nodes=2, gpus_per_node=4, gpu_memory=1e6, usable_fractio
                       compute_efficiency=0.5, intra_node_busbw=100.0, inter_node_busbw=10.0)
 
 
+def sp_bytes(seq_len, batch, hidden, heads, tp=1, recompute="selective"):
+    """The planner's activation term: Korthikanti with sequence parallelism."""
+    return korthikanti_bytes_per_layer(seq_len, batch, hidden, heads, tp=tp, sequence_parallel=True,
+                                       recompute=recompute)
+
+
 def test_activation_memory_per_layer():
     # s = 2, b = 1, h = 4, a = 2: s b h = 8; 5 a s / h = 5.
-    assert activation_bytes_per_layer(2, 1, 4, 2, tp=1, recompute="none") == 8 * (34 + 5)
-    assert activation_bytes_per_layer(2, 1, 4, 2, tp=2, recompute="none") == 8 * (34 + 5) / 2
-    assert activation_bytes_per_layer(2, 1, 4, 2, tp=2, recompute="selective") == 8 * 34 / 2
-    assert activation_bytes_per_layer(2, 3, 4, 2, tp=1, recompute="full") == 2 * 24
+    assert sp_bytes(2, 1, 4, 2, tp=1, recompute="none") == 8 * (34 + 5)
+    assert sp_bytes(2, 1, 4, 2, tp=2, recompute="none") == 8 * (34 + 5) / 2
+    assert sp_bytes(2, 1, 4, 2, tp=2, recompute="selective") == 8 * 34 / 2
+    assert sp_bytes(2, 3, 4, 2, tp=1, recompute="full") == 2 * 24
     # The 5 a s / h term (attention scores) grows with the sequence: it dominates long contexts.
-    long = activation_bytes_per_layer(4096, 1, 8192, 64, recompute="none")
-    assert long / activation_bytes_per_layer(4096, 1, 8192, 64, recompute="selective") == (34 + 160) / 34
+    long = sp_bytes(4096, 1, 8192, 64, recompute="none")
+    assert long / sp_bytes(4096, 1, 8192, 64, recompute="selective") == (34 + 160) / 34
 
 
 def test_pipeline_bubble():
     assert pipeline_bubble(1, 8) == 0
     assert pipeline_bubble(4, 12) == 3 / 15
     assert pipeline_bubble(8, 1) == 7 / 8  # one micro-batch: all but one stage idle
-    with pytest.raises(ValueError, match="pp and n_micro must be >= 1"):
+    with pytest.raises(ValueError, match="n_micro must be a positive integer"):
         pipeline_bubble(4, 0)
 
 
@@ -72,7 +78,7 @@ def test_plan_combines_the_formulas():
     assert p.n_micro == 4  # 8 sequences / (dp 2 x micro-batch 1)
     params = stage_params(TOY, 2, 2)
     assert p.model_states == zero_memory_per_gpu(params, 2, 1)
-    assert p.activations == 2 * 2 * activation_bytes_per_layer(4, 1, 8, 2, 2)  # 2 layers x 2 in flight
+    assert p.activations == 2 * 2 * sp_bytes(4, 1, 8, 2, 2)  # 2 layers x 2 in flight
     assert p.traffic == {"dp": data_parallel_traffic(params, 2), "tp": tp_bytes_per_gpu(2, 4, 1, 4, 8, 2),
                          "pp": pp_bytes_per_gpu(4, 1, 4, 8, 2, 2)}
     assert p.bubble == 1 / 5
@@ -96,7 +102,7 @@ def test_zero3_gathers_every_micro_batch_and_pipelining_keeps_activations_flat()
     # 1F1B: pp stages of L / pp layers, pp micro-batches in flight on the first: L layers' worth, whatever pp.
     acts = [plan(TOY, Layout(dp=8 // pp, tp=1, pp=pp), TOY_CLUSTER, seq_len=4, global_batch=16).activations
             for pp in (1, 2, 4)]
-    assert acts[1] == acts[2] == 4 * activation_bytes_per_layer(4, 1, 8, 2, 1)
+    assert acts[1] == acts[2] == 4 * sp_bytes(4, 1, 8, 2, 1)
 
 
 def test_tp_across_nodes_is_flagged_and_slow():
@@ -134,7 +140,7 @@ def test_invalid_layouts(layout, message):
 
 def test_unknown_recompute():
     with pytest.raises(ValueError, match="recompute must be one of"):
-        activation_bytes_per_layer(4, 1, 8, 2, recompute="some")
+        sp_bytes(4, 1, 8, 2, recompute="some")
 
 
 def test_command_line(capsys):

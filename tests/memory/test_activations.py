@@ -3,6 +3,8 @@
     .venv/bin/python -m pytest -q tests/memory/test_activations.py
 """
 
+import math
+
 import pytest
 import torch
 
@@ -105,3 +107,25 @@ def test_bad_input_is_named(kwargs, match):
 def test_dropout_is_refused_by_the_exact_formula():
     with pytest.raises(ValueError, match="dropout"):
         layer_terms(GPTConfig.from_preset("tiny", dropout=0.1), 2, 8)
+
+
+def test_korthikanti_formulas_with_tensor_and_sequence_parallelism():
+    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B layer shapes
+    def sbh(x):
+        return s * b * h * x
+    no_tp = korthikanti_bytes_per_layer(s, b, h, a)
+    assert math.isclose(no_tp, sbh(34 + 5 * a * s / h))
+    for t in (1, 2, 8):
+        tp_only = korthikanti_bytes_per_layer(s, b, h, a, tp=t)
+        tp_sp = korthikanti_bytes_per_layer(s, b, h, a, tp=t, sequence_parallel=True)
+        assert math.isclose(tp_only, sbh(10 + 24 / t + 5 * a * s / (h * t)))
+        assert math.isclose(tp_sp, no_tp / t)  # sequence parallelism splits every term by t
+        assert math.isclose(tp_only - tp_sp, sbh(10 * (1 - 1 / t)))  # what plain TP leaves replicated
+    assert korthikanti_bytes_per_layer(s, b, h, a, tp=1) == no_tp
+    assert korthikanti_bytes_per_layer(s, b, h, a, recompute="selective") == sbh(34)
+    assert korthikanti_bytes_per_layer(s, b, h, a, tp=8, recompute="full") == sbh(2)  # the input, whole on each rank
+    assert korthikanti_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True, recompute="full") == sbh(2 / 8)
+    with pytest.raises(ValueError, match="tp"):
+        korthikanti_bytes_per_layer(s, b, h, a, tp=0)
+    with pytest.raises(ValueError, match="recompute"):
+        korthikanti_bytes_per_layer(s, b, h, a, recompute="some")

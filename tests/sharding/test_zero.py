@@ -11,10 +11,11 @@ import torch
 import torch.nn as nn
 
 from course_lib.core.model import GPT, GPTConfig
+from course_lib.runtime.collectives import shard_numel
 from course_lib.runtime.launch import launch
 from course_lib.runtime.spawn import single_process_group
 from course_lib.sharding import apply_zero
-from course_lib.sharding.zero import FlatLayout, ShardedAdamW, ZeroOptimizer, shard_numel
+from course_lib.sharding.zero import FlatLayout, ShardedAdamW, ZeroOptimizer
 from course_lib.sharding.zero_workers import make_model, reference_run, zero_parity_run
 
 STEPS = 3

@@ -7,7 +7,6 @@ gradients (shards gathered) and parameters after STEPS AdamW steps must equal on
 that f and g issue must match tp_allreduce_bytes_per_layer.
 """
 
-import math
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from course_lib.tensor_parallel.scratch import (
     TP_ALLREDUCES_PER_LAYER,
     apply_tensor_parallel,
     check_tensor_parallel_config,
-    tensor_parallel_activation_bytes,
     tp_allreduce_bytes_per_layer,
 )
 from course_lib.tensor_parallel.workers import compare_with_reference, reference_run, tp_checks
@@ -98,24 +96,6 @@ def test_allreduce_bytes_formula():
     assert tp_allreduce_bytes_per_layer(2, 8, 16, element_size=2) == tp_allreduce_bytes_per_layer(2, 8, 16) // 2
     with pytest.raises(ValueError, match="seq_len"):
         tp_allreduce_bytes_per_layer(2, 0, 16)
-
-
-def test_activation_formula_algebra():
-    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B layer shapes
-    def sbh(x):
-        return s * b * h * x
-    no_tp = tensor_parallel_activation_bytes(s, b, h, a)
-    assert math.isclose(no_tp, sbh(34 + 5 * a * s / h))
-    for t in (1, 2, 8):
-        tp_only = tensor_parallel_activation_bytes(s, b, h, a, tp=t)
-        tp_sp = tensor_parallel_activation_bytes(s, b, h, a, tp=t, sequence_parallel=True)
-        assert math.isclose(tp_only, sbh(10 + 24 / t + 5 * a * s / (h * t)))
-        assert math.isclose(tp_sp, no_tp / t)  # sequence parallelism splits every term by t
-        assert math.isclose(tp_only - tp_sp, sbh(10 * (1 - 1 / t)))  # what plain TP leaves replicated
-    assert tensor_parallel_activation_bytes(s, b, h, a, tp=1) == no_tp
-    assert tensor_parallel_activation_bytes(s, b, h, a, n_layer=3) == 3 * no_tp
-    with pytest.raises(ValueError, match="tp"):
-        tensor_parallel_activation_bytes(s, b, h, a, tp=0)
 
 
 def test_divisibility_errors_name_the_field():

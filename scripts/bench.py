@@ -32,8 +32,8 @@ from pathlib import Path
 from course_lib.bench.attention import run_attention
 from course_lib.bench.comm import run_comm
 from course_lib.bench.compute import run_matmul, run_train
-from course_lib.bench.profile import run_profile
 from course_lib.bench.parallel import run_parallel
+from course_lib.bench.profile import run_profile
 from course_lib.bench.report import Options, Section, as_tables, format_section, section_json
 from course_lib.bench.sharding import run_sharding
 from course_lib.observability.timing import machine_info, setup_threads

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.runtime.collectives import ring_all_reduce, slowest
 from course_lib.runtime.env import get_dist_info
+from course_lib.testing import seeded_gpt
 
 MIB = 2**20
 
@@ -73,8 +73,7 @@ def ddp_throughput(global_batch: int = 16, seq_len: int = 64, preset: str = "tin
     info = get_dist_info()
     if global_batch % info.world_size:
         raise ValueError(f"global_batch ({global_batch}) must be divisible by world_size ({info.world_size})")
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig.from_preset(preset, block_size=max(seq_len, 8)))
+    model = seeded_gpt(seed, preset, block_size=max(seq_len, 8))
     ddp = DistributedDataParallel(model) if info.world_size > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     local = global_batch // info.world_size

@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 
 from course_lib.bench.parallel_workers import PP_SCHEDULES, STRATEGIES, parallel_bench
-from course_lib.bench.report import Column, Options, Table, launch_at_world_sizes, ranks_setup
+from course_lib.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
+                                     ranks_setup, strategy_rows)
 from course_lib.core.model import GPTConfig
 from course_lib.observability.timing import Timing
 from course_lib.pipeline_parallel.schedules import pipeline_comm_bytes, predicted_bubble_fraction
@@ -104,21 +105,7 @@ def parallel_rows(ranks: list[dict], *, cores: int, workload: dict) -> list[dict
                "steps": len(timing.samples), "step_ms": timing.median * 1e3, "step_spread": timing.relative_spread,
                "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / timing.median}
         rows.append(row)
-    dp = next((r for r in rows if r["strategy"] == "DP"), None)
-    for row in rows:
-        row["speed_vs_dp"] = row["tokens_per_s"] / dp["tokens_per_s"] if dp else None
-        row["wire_vs_dp"] = row["wire_bytes"] / dp["wire_bytes"] if dp else None
-    return rows
-
-
-def _mb(key: str):
-    def fmt(row: dict) -> str:
-        return "-" if row.get(key) is None else f"{row[key] / 1e6:.3f}"
-    return fmt
-
-
-def _agrees(row: dict) -> str:
-    return "yes" if row["agrees"] else f"NO ({row['payload_bytes'] - row['expected_payload_bytes']:+,} B)"
+    return add_ratios(rows, "DP", {"speed_vs_dp": "tokens_per_s", "wire_vs_dp": "wire_bytes"})
 
 
 def _notes(rows: list[dict], workload: dict, cores: int) -> list[str]:
@@ -159,30 +146,24 @@ def _notes(rows: list[dict], workload: dict, cores: int) -> list[str]:
         "bubble = (p-1)/(m+p-1), the idle share of a pipeline stage with free communication. Compare times "
         "within a world size only.",
     ]
-    crowded = [n for n in PARALLEL_RANKS if n > cores]
-    if crowded:
-        notes.append(f"{' and '.join(map(str, crowded))} ranks on {cores} cores are oversubscribed: the ranks "
-                     "take turns on the cores, so those step times include waiting for a CPU (TP and PP ranks "
-                     "wait on each other inside every step) and compare only with each other.")
-    return notes
+    return notes + oversubscribed_note(PARALLEL_RANKS, cores, " (TP and PP ranks wait on each other inside every step)")
 
 
 def run_parallel(opts: Options, strategies=STRATEGIES) -> Table:
-    """The table: every strategy at 2 and 4 ranks; rank logs go to a temporary directory."""
+    """DP, TP and PP at 2 and 4 ranks: step time, and bytes per rank measured against the formulas."""
+    workload, rows = strategy_rows(parallel_bench, PARALLEL_RANKS, opts, WORKLOAD, strategies, parallel_rows,
+                                   log_prefix="bench_parallel_")
     cores = os.cpu_count() or 1
-    workload = WORKLOAD["quick" if opts.quick else "full"]
-    launched = launch_at_world_sizes(parallel_bench, PARALLEL_RANKS, {"strategies": tuple(strategies), **workload},
-                                     log_prefix="bench_parallel_")
-    rows = [row for ranks in launched.values() for row in parallel_rows(ranks, cores=cores, workload=workload)]
     return Table(
         title="step time and bytes communicated per rank per step: DP, TP, PP (1F1B, GPipe) at 2 and 4 ranks",
         setup=ranks_setup(PARALLEL_RANKS, cores),
         columns=[Column("strategy", "strategy"), Column("world_size", "ranks"),
                  Column("step_ms", "step ms", "{:.1f}"), Column("step_spread", "IQR", "{:.0%}"),
                  Column("tokens_per_s", "tokens/s", "{:,.0f}"), Column("speed_vs_dp", "speed vs DP", "{:.2f}x"),
-                 Column("payload_bytes", "payload MB", _mb("payload_bytes")),
-                 Column("expected_payload_bytes", "formula MB", _mb("expected_payload_bytes")),
-                 Column("agrees", "=", _agrees), Column("wire_bytes", "wire MB", _mb("wire_bytes")),
+                 Column("payload_bytes", "payload MB", megabytes("payload_bytes")),
+                 Column("expected_payload_bytes", "formula MB", megabytes("expected_payload_bytes")),
+                 Column("agrees", "=", agreement("payload_bytes", "expected_payload_bytes")),
+                 Column("wire_bytes", "wire MB", megabytes("wire_bytes")),
                  Column("wire_vs_dp", "wire vs DP", "{:.2f}x"), Column("messages", "msgs"),
                  Column("ideal_bubble", "ideal bubble", "{:.0%}")],
         rows=rows, notes=_notes(rows, workload, cores))

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
 from course_lib.pipeline_parallel.scratch import (
     GPTStage,
@@ -46,22 +46,26 @@ from course_lib.pipeline_parallel.scratch import (
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding.zero_workers import TRAINING
 from course_lib.tensor_parallel.scratch import apply_tensor_parallel, check_tensor_parallel_config
-from course_lib.testing import global_batches
+from course_lib.testing import global_batches, local_rows, seeded_gpt
 
 STRATEGIES = ("DP", "TP", "PP 1F1B", "PP GPipe")
 PP_SCHEDULES = {"PP 1F1B": "1f1b", "PP GPipe": "gpipe"}
 
 
-def _model(config: GPTConfig, seed: int) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(config)
+def _optimizer_step(model, optimizer, rows: torch.Tensor) -> torch.Tensor:
+    """zero_grad, forward with the loss, backward, optimizer step; returns the loss, detached."""
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(rows, targets=rows)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
 
 
 class DataParallel:
     """torch DDP over the world; every bucket's gradient bytes counted on their way to all_reduce."""
 
     def __init__(self, config: GPTConfig, seed: int, rank: int, world_size: int):
-        self.model = _model(config, seed)
+        self.model = seeded_gpt(seed, config=config)
         # broadcast_buffers=False: the only buffers are RoPE's constant cos/sin tables, which DDP would
         # otherwise broadcast before every forward: communication that is not gradient synchronisation.
         self.ddp = DistributedDataParallel(self.model, broadcast_buffers=False)
@@ -78,13 +82,7 @@ class DataParallel:
 
     def train_step(self, batch: torch.Tensor) -> torch.Tensor:
         self.payload_bytes = self.calls = 0
-        local = batch.shape[0] // self.world_size
-        rows = batch[self.rank * local:(self.rank + 1) * local]
-        self.optimizer.zero_grad(set_to_none=True)
-        _, loss = self.ddp(rows, targets=rows)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
+        return _optimizer_step(self.ddp, self.optimizer, local_rows(batch, self.rank, self.world_size))
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The mean loss of the whole batch: the ranks' losses are means over equal slices."""
@@ -97,7 +95,7 @@ class TensorParallel:
     """course_lib.tensor_parallel.scratch over the world: every rank the whole batch and 1/n of every block."""
 
     def __init__(self, config: GPTConfig, seed: int, rank: int, world_size: int):
-        self.model = _model(config, seed)
+        self.model = seeded_gpt(seed, config=config)
         self.stats = apply_tensor_parallel(self.model)
         self.optimizer = configure_optimizer(self.model, **TRAINING)
 
@@ -111,11 +109,7 @@ class TensorParallel:
 
     def train_step(self, batch: torch.Tensor) -> torch.Tensor:
         self.stats.reset()
-        self.optimizer.zero_grad(set_to_none=True)
-        _, loss = self.model(batch, targets=batch)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
+        return _optimizer_step(self.model, self.optimizer, batch)
 
     def global_loss(self, loss: torch.Tensor) -> float:
         return loss.item()  # every rank computed the loss of the whole batch
@@ -126,7 +120,7 @@ class PipelineParallel:
 
     def __init__(self, config: GPTConfig, seed: int, rank: int, world_size: int, schedule: str,
                  micro_batches: int, tied_group):
-        self.stage = GPTStage(_model(config, seed), rank, world_size)
+        self.stage = GPTStage(seeded_gpt(seed, config=config), rank, world_size)
         self.tied_group, self.world_size = tied_group, world_size
         broadcast_tied_weight(self.stage, tied_group)
         self.runner = PipelineRunner(self.stage, schedule, micro_batches)
@@ -221,4 +215,4 @@ def parallel_bench(strategies=STRATEGIES, preset: str = "small", config_override
                 record["calls"].append(trainees[name].calls)
     dist.barrier()
     return {"rank": info.rank, "world_size": info.world_size, "threads": torch.get_num_threads(),
-            "n_params": _model(config, seed).num_params(), "strategies": results}
+            "n_params": seeded_gpt(seed, config=config).num_params(), "strategies": results}

@@ -11,6 +11,7 @@ JSON report unchanged), notes, and `setup`: how the work was spread over the mac
 
 from __future__ import annotations
 
+import os
 import tempfile
 import textwrap
 from collections.abc import Callable
@@ -106,14 +107,50 @@ def section_json(tables: list[Table], machine: dict, wall_s: float) -> dict:
                        for t in tables}}
 
 
-def launch_at_world_sizes(worker, world_sizes, kwargs: dict, *, log_prefix: str, timeout_s: float = 180) -> dict:
-    """{world size: every rank's result} of `worker` launched at each size, 1 thread per rank, logs discarded."""
-    results = {}
+def strategy_rows(worker, world_sizes, opts: Options, workloads: dict, strategies, rows_of, *, log_prefix: str,
+                  timeout_s: float = 180) -> tuple[dict, list[dict]]:
+    """(workload, rows): `worker` run on the quick or full workload for `strategies` at each world size (1 thread
+    per rank, logs discarded); rows_of(ranks, cores=, workload=) turns one launch's results into table rows."""
+    workload, cores, rows = workloads["quick" if opts.quick else "full"], os.cpu_count() or 1, []
+    kwargs = {"strategies": tuple(strategies), **workload}
     with tempfile.TemporaryDirectory(prefix=log_prefix) as log_dir:
         for world_size in world_sizes:
-            results[world_size] = launch(worker, world_size, kwargs=kwargs, threads_per_rank=1, log_dir=log_dir,
-                                         echo=False, timeout_s=timeout_s)
-    return results
+            ranks = launch(worker, world_size, kwargs=kwargs, threads_per_rank=1, log_dir=log_dir, echo=False,
+                           timeout_s=timeout_s)
+            rows += rows_of(ranks, cores=cores, workload=workload)
+    return workload, rows
+
+
+def add_ratios(rows: list[dict], baseline: str, ratios: dict[str, str]) -> list[dict]:
+    """For each name: key of ratios, row[name] = row[key] / the `baseline` strategy's row[key] (None without one)."""
+    base = next((r for r in rows if r["strategy"] == baseline), None)
+    for row in rows:
+        for name, key in ratios.items():
+            row[name] = row[key] / base[key] if base else None
+    return rows
+
+
+def megabytes(key: str):
+    """Column format: row[key] bytes in MB (10^6), or '-' where the row has none."""
+    def fmt(row: dict) -> str:
+        return "-" if row.get(key) is None else f"{row[key] / 1e6:.3f}"
+    return fmt
+
+
+def agreement(measured: str, expected: str):
+    """Column format: 'yes' where row["agrees"], else NO and the byte difference measured - expected."""
+    def fmt(row: dict) -> str:
+        return "yes" if row["agrees"] else f"NO ({row[measured] - row[expected]:+,} B)"
+    return fmt
+
+
+def oversubscribed_note(world_sizes, cores: int, waiting: str = "") -> list[str]:
+    """[a note on the world sizes with more ranks than cores], or [] when every size fits."""
+    crowded = [n for n in world_sizes if n > cores]
+    if not crowded:
+        return []
+    return [f"{' and '.join(map(str, crowded))} ranks on {cores} cores are oversubscribed: the ranks take turns "
+            f"on the cores, so those step times include waiting for a CPU{waiting} and compare only with each other."]
 
 
 def ranks_setup(world_sizes, cores: int) -> str:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 
-from course_lib.bench.report import Column, Options, Table, launch_at_world_sizes, ranks_setup
+from course_lib.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
+                                     ranks_setup, strategy_rows)
 from course_lib.bench.sharding_workers import STRATEGIES, sharding_bench
 from course_lib.observability.timing import Timing
 from course_lib.sharding.memory import KINDS
@@ -26,16 +27,6 @@ WORKLOAD = {"full": {"preset": "small", "global_batch": 8, "seq_len": 128, "warm
 """fp32 AdamW, the same global batch (sequences x tokens) at every world size; warm-up rounds are not timed."""
 BYTE_KEYS = {"params": "params_bytes", "grads": "grads_bytes", "optimizer_states": "optimizer_bytes",
              "total": "total_bytes"}
-
-
-def _mb(key: str):
-    def fmt(row: dict) -> str:
-        return "-" if row.get(key) is None else f"{row[key] / 1e6:.3f}"
-    return fmt
-
-
-def _agrees(row: dict) -> str:
-    return "yes" if row["agrees"] else f"NO ({row['total_bytes'] - row['expected_total_bytes']:+,} B)"
 
 
 def sharding_rows(ranks: list[dict], *, cores: int, workload: dict) -> list[dict]:
@@ -60,20 +51,14 @@ def sharding_rows(ranks: list[dict], *, cores: int, workload: dict) -> list[dict
         row.update({"steps": len(timing.samples), "step_ms": timing.median * 1e3,
                     "step_spread": timing.relative_spread})
         rows.append(row)
-    ddp = next((r for r in rows if r["strategy"] == "DDP"), None)
-    for row in rows:
-        row["vs_ddp"] = row["total_bytes"] / ddp["total_bytes"] if ddp else None
-        row["time_vs_ddp"] = row["step_ms"] / ddp["step_ms"] if ddp else None
-    return rows
+    return add_ratios(rows, "DDP", {"vs_ddp": "total_bytes", "time_vs_ddp": "step_ms"})
 
 
 def run_sharding(opts: Options, strategies=STRATEGIES) -> Table:
-    """The table: every strategy at 2 and 4 ranks; rank logs go to a temporary directory."""
+    """DDP, ZeRO-1/2/3 and FSDP at 2 and 4 ranks: model-state bytes per rank against the formulas, step time."""
+    workload, rows = strategy_rows(sharding_bench, SHARDING_RANKS, opts, WORKLOAD, strategies, sharding_rows,
+                                   log_prefix="bench_sharding_")
     cores = os.cpu_count() or 1
-    workload = WORKLOAD["quick" if opts.quick else "full"]
-    launched = launch_at_world_sizes(sharding_bench, SHARDING_RANKS, {"strategies": tuple(strategies), **workload},
-                                     log_prefix="bench_sharding_")
-    rows = [row for ranks in launched.values() for row in sharding_rows(ranks, cores=cores, workload=workload)]
     first = rows[0]
     tokens = workload["global_batch"] * workload["seq_len"]
     notes = [
@@ -99,24 +84,20 @@ def run_sharding(opts: Options, strategies=STRATEGIES) -> Table:
         "slowest rank; IQR their spread; time vs DDP = step ms / DDP's at the same world size. Compare times "
         "within a world size only. DDP and FSDP bucket their collectives; the from-scratch ZeRO-2/3 issue one "
         "per parameter (and ZeRO-3 one broadcast per owner of each unit), which costs most with many ranks.",
-    ]
-    crowded = [n for n in SHARDING_RANKS if n > cores]
-    if crowded:
-        notes.append(f"{' and '.join(map(str, crowded))} ranks on {cores} cores are oversubscribed: the ranks "
-                     "take turns on the cores, so those step times include waiting for a CPU and compare only "
-                     "with each other.")
+    ] + oversubscribed_note(SHARDING_RANKS, cores)
     return Table(
         title="model-state MB per rank and time per step: DDP, ZeRO-1/2/3, FSDP at 2 and 4 ranks",
         setup=ranks_setup(SHARDING_RANKS, cores),
         columns=[Column("strategy", "strategy"), Column("world_size", "ranks"),
-                 Column("params_bytes", "params", _mb("params_bytes")),
-                 Column("grads_bytes", "grads", _mb("grads_bytes")),
-                 Column("optimizer_bytes", "optim", _mb("optimizer_bytes")),
-                 Column("total_bytes", "total", _mb("total_bytes")),
-                 Column("expected_total_bytes", "formula", _mb("expected_total_bytes")),
-                 Column("agrees", "=", _agrees), Column("vs_ddp", "vs DDP", "{:.2f}x"),
-                 Column("peak_params_bytes", "peak params", _mb("peak_params_bytes")),
-                 Column("peak_grads_bytes", "peak grads", _mb("peak_grads_bytes")),
+                 Column("params_bytes", "params", megabytes("params_bytes")),
+                 Column("grads_bytes", "grads", megabytes("grads_bytes")),
+                 Column("optimizer_bytes", "optim", megabytes("optimizer_bytes")),
+                 Column("total_bytes", "total", megabytes("total_bytes")),
+                 Column("expected_total_bytes", "formula", megabytes("expected_total_bytes")),
+                 Column("agrees", "=", agreement("total_bytes", "expected_total_bytes")),
+                 Column("vs_ddp", "vs DDP", "{:.2f}x"),
+                 Column("peak_params_bytes", "peak params", megabytes("peak_params_bytes")),
+                 Column("peak_grads_bytes", "peak grads", megabytes("peak_grads_bytes")),
                  Column("step_ms", "step ms", "{:.1f}"), Column("step_spread", "IQR", "{:.0%}"),
                  Column("time_vs_ddp", "time vs DDP", "{:.2f}x")],
         rows=rows, notes=notes)

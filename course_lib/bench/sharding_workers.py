@@ -28,14 +28,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding import apply_zero
 from course_lib.sharding.fsdp import expected_fsdp_model_states, shard_model
 from course_lib.sharding.memory import expected_model_states, live_bytes, measure_model_states
 from course_lib.sharding.zero_workers import TRAINING
-from course_lib.testing import global_batches
+from course_lib.testing import global_batches, local_rows, seeded_gpt
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP FULL_SHARD", "FSDP SHARD_GRAD_OP")
 ZERO_STAGES = {"ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3}
@@ -105,8 +105,7 @@ class Trainee:
         if name not in STRATEGIES:
             raise ValueError(f"unknown strategy {name!r}; choose from {list(STRATEGIES)}")
         self.name = name
-        torch.manual_seed(seed)
-        self.model = model = GPT(config)
+        self.model = model = seeded_gpt(seed, config=config)
         self.probe = PeakProbe(model)  # before wrapping: its gradient hooks must run before ZeRO's
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.n_params = sum(p.numel() for p in trainable)
@@ -168,10 +167,9 @@ def sharding_bench(strategies=STRATEGIES, preset: str = "small", global_batch: i
         raise ValueError(f"seq_len must be in [2, {config.block_size}] (block_size of the {preset} preset), "
                          f"got {seq_len}")
     trainees = [Trainee(name, config, seed, info.world_size, info.rank) for name in strategies]
-    local = global_batch // info.world_size
     samples: dict[str, list[float]] = {t.name: [] for t in trainees}
     for round_index, batch in enumerate(global_batches(warmup + steps, global_batch, seq_len, seed)):
-        rows = batch[info.rank * local:(info.rank + 1) * local]
+        rows = local_rows(batch, info.rank, info.world_size)
         shift = round_index % len(trainees)  # rotate the order: no strategy always runs right after another
         order = trainees[shift:] + trainees[:shift]
         probing = round_index == warmup - 1

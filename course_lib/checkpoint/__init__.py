@@ -1,7 +1,6 @@
 """Checkpoints that survive a crash: single-process atomic files, ranked shards with a manifest, FSDP full and DCP checkpoints.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.checkpoint import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.checkpoint import save_checkpoint, save_ranked_checkpoint
 """
 
 from course_lib import lazy_exports

@@ -5,27 +5,23 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from course_lib.checkpoint.ranked import load_ranked_checkpoint, read_manifest, save_ranked_checkpoint
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.model import GPTConfig
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import flat_parameters
+from course_lib.testing import flat_parameters, seeded_gpt
 
 log = logging.getLogger("course")  # course_lib.runtime.launch sends it to logs/rank_<r>/train.log
 
 
 def save_ranked(directory: str, preset: str = "tiny", seed: int = 0, step: int = 7) -> dict:
     info = get_dist_info()
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig.from_preset(preset))
+    model = seeded_gpt(seed, preset)
     save_ranked_checkpoint(directory, model, step=step, extra={"data_position": 100 + info.rank})
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def load_ranked(directory: str, preset: str = "tiny", reshard: bool = False) -> dict:
-    torch.manual_seed(1234)  # different weights: the load must overwrite every one
-    model = GPT(GPTConfig.from_preset(preset))
+    model = seeded_gpt(1234, preset)
     result = load_ranked_checkpoint(directory, model, reshard=reshard)
     result["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
     return result
@@ -34,8 +30,7 @@ def load_ranked(directory: str, preset: str = "tiny", reshard: bool = False) -> 
 def load_ranked_here(directory: str, reshard: bool = False) -> dict:
     """Load a ranked checkpoint on this job's ranks (model shape from its manifest); raises if refused."""
     manifest = read_manifest(directory)
-    torch.manual_seed(1234)  # other weights than the saved ones: the load must overwrite every parameter
-    model = GPT(GPTConfig(**manifest["model_config"]))
+    model = seeded_gpt(1234, config=GPTConfig(**manifest["model_config"]))
     result = load_ranked_checkpoint(directory, model, reshard=reshard)
     return {"rank": get_dist_info().rank, "step": result["step"], "saved_by": result["world_size"],
             "resharded": result["resharded"], "extra": result["extra"], "params": flat_parameters(model)}

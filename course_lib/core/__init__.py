@@ -1,7 +1,6 @@
 """The model and everything one process needs to train it: GPT and its config, data, optimizer, one step, device, metrics.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.core import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.core import GPT, GPTConfig, train_step
 """
 
 from course_lib import lazy_exports

@@ -33,11 +33,13 @@ class GPTConfig:
     vocab_size: int = 256
     """Number of token ids (256 for the course's byte-level tokenizer)."""
     block_size: int = 128
-    """Longest sequence the model accepts (context length)."""
+    """Longest sequence the model accepts (context length); the rotary embedding tables hold this many
+    positions."""
     n_layer: int = 2
     """Number of transformer blocks."""
     n_head: int = 4
-    """Attention heads per block; must divide n_embd."""
+    """Attention heads per block; must divide n_embd, and the head dimension n_embd / n_head must be even
+    (rotary embeddings rotate pairs of dimensions)."""
     n_embd: int = 64
     """Width of the residual stream (hidden size)."""
     ffn_hidden: int | None = None

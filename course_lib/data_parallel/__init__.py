@@ -1,7 +1,6 @@
 """Data parallelism: from scratch (naive, then bucketed with overlap), torch DDP, which samples each rank sees, data loading at scale.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.data_parallel import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.data_parallel import BucketedDataParallel
 """
 
 from course_lib import lazy_exports

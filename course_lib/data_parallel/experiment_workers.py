@@ -26,18 +26,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.data import load_tokens, prepare_tokens
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.optim import configure_optimizer
-from course_lib.data_parallel.loading import (
-    make_loader,
-    rank_dataset,
-)
-from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients, broadcast_parameters
+from course_lib.data_parallel.loading import make_loader, rank_dataset
+from course_lib.data_parallel.scratch import BucketedDataParallel, broadcast_parameters
 from course_lib.data_parallel.torch_ddp import wrap_ddp
-from course_lib.data_parallel.workers import all_strategies_run, ring_allreduce_check
+from course_lib.data_parallel.workers import all_strategies_run, ring_allreduce_check, timed_sync_step
 from course_lib.runtime.collectives import slowest
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import flat_parameters
+from course_lib.testing import flat_parameters, local_rows, seeded_gpt
 
 log = logging.getLogger("course")  # course_lib.runtime.launch sends it to logs/rank_<r>/train.log
 
@@ -59,30 +55,13 @@ class TimedBucketedDataParallel(BucketedDataParallel):
                 lambda _, launched=launched: self.completed.append(("allreduce", launched, time.monotonic())))
 
     def finish_gradient_sync(self) -> None:
+        first = len(self.timeline)
         super().finish_gradient_sync()
         deadline = time.monotonic() + 5.0  # the callbacks run on the backend's thread, maybe just after wait()
         while len(self.completed) < len(self.buckets) and time.monotonic() < deadline:
             time.sleep(1e-4)
-        self.timeline = sorted(self.completed, key=lambda interval: interval[1])
+        self.timeline[first:] = sorted(self.completed, key=lambda interval: interval[1])  # this step's buckets
         self.completed = []
-
-
-def _sync_step(model, wrapped, batch) -> list[tuple[str, float, float]]:
-    """Forward, backward and gradient sync of one variant; returns its (kind, start, end) intervals."""
-    model.zero_grad(set_to_none=True)
-    start = time.monotonic()
-    _, loss = wrapped(batch, targets=batch)
-    forward_end = time.monotonic()
-    loss.backward()
-    backward_end = time.monotonic()
-    if wrapped is model:  # naive: every gradient's all_reduce after backward
-        allreduce_gradients(model)
-        comm = [("allreduce", backward_end, time.monotonic())]
-    else:  # bucketed: the all_reduces were launched during backward; wait for them
-        wrapped.finish_gradient_sync()
-        comm = list(wrapped.timeline)
-    intervals = [("forward", start, forward_end), ("backward", forward_end, backward_end), *comm]
-    return intervals + [("step_end", time.monotonic(), time.monotonic())]
 
 
 def bucket_sweep(bucket_caps_mb=(0.05, 0.25, 1.0, 4.0), steps: int = 6, warmup: int = 1, preset: str = "small",
@@ -103,8 +82,7 @@ def bucket_sweep(bucket_caps_mb=(0.05, 0.25, 1.0, 4.0), steps: int = 6, warmup: 
         raise ValueError(f"timeline_variants {sorted(unknown)} are not among the variants {variants}")
     replicas = {}
     for name, cap in zip(variants, (None, *bucket_caps_mb)):
-        torch.manual_seed(seed)
-        model = GPT(GPTConfig.from_preset(preset, block_size=seq_len)).to(info.device)
+        model = seeded_gpt(seed, preset, block_size=seq_len).to(info.device)
         if cap is None:
             broadcast_parameters(model)
             replicas[name] = (model, model)
@@ -116,7 +94,7 @@ def bucket_sweep(bucket_caps_mb=(0.05, 0.25, 1.0, 4.0), steps: int = 6, warmup: 
     for step in range(warmup + steps):
         for name in variants:
             dist.barrier()  # every variant starts its step with all ranks together
-            intervals = _sync_step(*replicas[name], batch)
+            _, intervals = timed_sync_step(*replicas[name], batch)
             if step >= warmup:
                 backward_end, end = intervals[1][2], intervals[-1][1]
                 step_s[name].append(slowest(end - intervals[0][1]))
@@ -125,7 +103,7 @@ def bucket_sweep(bucket_caps_mb=(0.05, 0.25, 1.0, 4.0), steps: int = 6, warmup: 
     for name in timeline_variants:
         dist.barrier()
         for _ in range(timeline_steps):
-            timelines[name] += _sync_step(*replicas[name], batch)[:-1]
+            timelines[name] += timed_sync_step(*replicas[name], batch)[1][:-1]
     results = {}
     for name, (model, wrapped) in replicas.items():
         calls = sum(p.requires_grad for p in model.parameters()) if wrapped is model else len(wrapped.buckets)
@@ -161,8 +139,7 @@ def world_size_sweep(world_sizes=(1, 2, 4), steps: int = 8, warmup: int = 2, glo
     replicas = {}
     for n in world_sizes:
         if info.rank < n:
-            torch.manual_seed(seed)
-            model = GPT(GPTConfig.from_preset(preset, block_size=seq_len)).to(info.device)
+            model = seeded_gpt(seed, preset, block_size=seq_len).to(info.device)
             replicas[n] = (model, wrap_ddp(model, info.device, groups[n]),
                            configure_optimizer(model, 3e-3))
     out = {n: {"losses": [], "step_s": []} for n in replicas}
@@ -174,8 +151,7 @@ def world_size_sweep(world_sizes=(1, 2, 4), steps: int = 8, warmup: int = 2, glo
             if n not in replicas:
                 continue
             model, ddp, optimizer = replicas[n]
-            shard = global_batch // n
-            rows = batch[info.rank * shard:(info.rank + 1) * shard]
+            rows = local_rows(batch, info.rank, n)
             start = time.perf_counter()
             _, loss = ddp(rows, targets=rows)
             loss.backward()
@@ -223,8 +199,7 @@ def data_per_rank(shard_dir: str, seq_len: int = 64, micro_batch: int = 16, step
         workers = config.get("num_workers", 0)
         loader = make_loader(dataset, micro_batch, shuffle=True, seed=seed, num_workers=workers,
                              prefetch_factor=config.get("prefetch_factor", 2))
-        torch.manual_seed(seed)
-        model = GPT(GPTConfig.from_preset("tiny", block_size=seq_len))
+        model = seeded_gpt(seed, "tiny", block_size=seq_len)
         ddp = DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         batches, waits, rests = iter(loader), [], []
@@ -266,8 +241,7 @@ def scaling_sweep(world_sizes=(1, 2, 4), steps: int = 10, warmup: int = 2, micro
     replicas = {}
     for n in world_sizes:
         if info.rank < n:
-            torch.manual_seed(seed)
-            model = GPT(GPTConfig.from_preset(preset, block_size=seq_len))
+            model = seeded_gpt(seed, preset, block_size=seq_len)
             replicas[n] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     generator = torch.Generator().manual_seed(seed + 1 + info.rank)
     samples = {n: [] for n in replicas}

@@ -36,8 +36,8 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSamp
 
 from course_lib.core.checks import positive_int
 from course_lib.core.data import load_tokens, prepare_tokens
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.observability.timing import machine_line
+from course_lib.testing import seeded_gpt
 
 SHARD_INDEX = "index.json"
 DELAY_KINDS = ("io", "cpu")
@@ -308,8 +308,7 @@ def main(argv=None) -> None:
                         "get one each")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_preset("tiny"))
+    model = seeded_gpt(0, "tiny")
     step = make_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     dataset = TokenWindowDataset(Path(args.data_dir) / "train.bin" if (Path(args.data_dir) / "train.bin").exists()
                                  else load_tokens("train", args.data_dir), model.config.block_size,

@@ -21,10 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from course_lib.core.data import load_tokens, prepare_tokens
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.optim import configure_optimizer
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import flat_parameters, global_batches
+from course_lib.testing import flat_parameters, global_batches, seeded_gpt
 
 log = logging.getLogger("course")
 
@@ -97,8 +96,7 @@ def ddp_train(steps: int = 30, micro_batch: int = 8, grad_accum_steps: int = 1, 
     dataset = TokenWindows(load_tokens("train", data_dir), seq_len, num_windows)
     sampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)  # rank, world size: the group's
     batches = _epochs(DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True), sampler)
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig.from_preset(preset, block_size=seq_len)).to(info.device)
+    model = seeded_gpt(seed, preset, block_size=seq_len).to(info.device)
     ddp = wrap_ddp(model, info.device)
     hook_state = {"local_sq_norm": 0.0, "allreduces": 0}
     ddp.register_comm_hook(hook_state, recording_allreduce_hook)
@@ -149,8 +147,7 @@ def no_sync_accumulation(micro_batch: int = 2, grad_accum_steps: int = 4, seq_le
     batch = global_batches(1, micro_batch * grad_accum_steps * world_size, seq_len, seed)[0].to(info.device)
     out = {}
     for variant in ("no_sync", "sync_every_micro_batch"):
-        torch.manual_seed(seed)
-        model = GPT(GPTConfig.from_preset(preset, block_size=seq_len)).to(info.device)
+        model = seeded_gpt(seed, preset, block_size=seq_len).to(info.device)
         ddp = wrap_ddp(model, info.device)
         state = {"local_sq_norm": 0.0, "allreduces": 0}
         ddp.register_comm_hook(state, recording_allreduce_hook)

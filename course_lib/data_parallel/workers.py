@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients, broadcast_parameters
 from course_lib.runtime.collectives import ring_all_reduce
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import global_batches, local_rows, seeded_gpt
+from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 
 STRATEGIES = ("naive", "bucketed", "torch_ddp")
 
@@ -43,29 +43,41 @@ def data_parallel_run(strategy: str = "naive", steps: int = 3, preset: str = "ti
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     first_grads, losses, timeline = None, [], []
     for batch in global_batches(steps, global_batch, seq_len, seed):
-        rows = local_rows(batch, info.rank, info.world_size)
-        optimizer.zero_grad(set_to_none=True)
-        start = time.monotonic()
-        _, loss = wrapped(rows, targets=rows)
-        forward_end = time.monotonic()
-        loss.backward()
-        backward_end = time.monotonic()
-        if strategy == "naive":
-            allreduce_gradients(model)
-        elif strategy == "bucketed":
-            wrapped.finish_gradient_sync()
-        sync_end = time.monotonic()
-        timeline += [("forward", start, forward_end), ("backward", forward_end, backward_end),
-                     ("sync", backward_end, sync_end)]
+        loss, intervals = timed_sync_step(model, wrapped, local_rows(batch, info.rank, info.world_size))
+        timeline += intervals
         if first_grads is None:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            first_grads = gradients(model)
         optimizer.step()
         losses.append(loss.item())
-    if strategy == "bucketed":
-        timeline += wrapped.timeline
     dist.barrier()
     return {"rank": info.rank, "grads": first_grads, "losses": losses, "timeline": timeline,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def timed_sync_step(model, wrapped, rows) -> tuple[torch.Tensor, list[tuple[str, float, float]]]:
+    """Forward, backward and gradient sync of one data-parallel step; returns (loss, (kind, start, end) intervals).
+
+    wrapped is model itself (the naive sync: every gradient's all_reduce after backward), a BucketedDataParallel
+    (its all_reduces were launched during backward: wait for them) or torch's DDP (done inside backward).
+    The intervals: forward, backward, the all-reduces as far as they can be seen, and a zero-length step_end.
+    """
+    model.zero_grad(set_to_none=True)
+    start = time.monotonic()
+    _, loss = wrapped(rows, targets=rows)
+    forward_end = time.monotonic()
+    loss.backward()
+    backward_end = time.monotonic()
+    if wrapped is model:
+        allreduce_gradients(model)
+        comm = [("allreduce", backward_end, time.monotonic())]
+    elif isinstance(wrapped, BucketedDataParallel):
+        first = len(wrapped.timeline)
+        wrapped.finish_gradient_sync()
+        comm = wrapped.timeline[first:]
+    else:
+        comm = []
+    end = time.monotonic()
+    return loss, [("forward", start, forward_end), ("backward", forward_end, backward_end), *comm, ("step_end", end, end)]
 
 
 def all_strategies_run(steps: int = 3, **kwargs) -> dict:

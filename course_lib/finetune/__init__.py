@@ -1,7 +1,6 @@
 """Fine-tuning: LoRA adapters on the course GPT.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.finetune import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.finetune import apply_lora
 """
 
 from course_lib import lazy_exports

@@ -1,7 +1,6 @@
 """Parallelisms combined: data x tensor parallel on one mesh, the rank groups of 3D layouts, and a planner for ~1000 GPUs.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.hybrid import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.hybrid import rank_groups, plan
 """
 
 from course_lib import lazy_exports

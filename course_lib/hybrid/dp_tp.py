@@ -45,7 +45,7 @@ from course_lib.data_parallel.scratch import allreduce_gradients
 from course_lib.runtime.launch import launch
 from course_lib.tensor_parallel.dtensor import apply_dtensor_tp, full_copy
 from course_lib.tensor_parallel.scratch import check_tensor_parallel_config
-from course_lib.testing import global_batches, single_process_run
+from course_lib.testing import global_batches, local_rows, seeded_gpt, single_process_run
 
 DATA_PARALLEL = ("allreduce", "fsdp")
 
@@ -92,12 +92,10 @@ def dp_tp_run(dp: int = 2, tp: int = 2, steps: int = 3, preset: str = "tiny", gl
     config = GPTConfig.from_preset(preset)
     check_tensor_parallel_config(config, tp)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    dp_rank, local_batch = mesh.get_local_rank("dp"), global_batch // dp
-    batches = [batch[dp_rank * local_batch:(dp_rank + 1) * local_batch]
+    batches = [local_rows(batch, mesh.get_local_rank("dp"), dp)
                for batch in global_batches(steps, global_batch, seq_len, seed)]
-
-    torch.manual_seed(seed)  # the same initial weights on every rank, as in single_process_run
-    model = apply_dtensor_tp(GPT(config), mesh["tp"])  # course_lib.tensor_parallel.dtensor's block plan
+    # The same initial weights on every rank, as in single_process_run; course_lib.tensor_parallel.dtensor's plan.
+    model = apply_dtensor_tp(seeded_gpt(seed, config=config), mesh["tp"])
     counts = tp_collective_counts(model, batches[0])
     local_shapes = {name: tuple(p.to_local().shape) for name, p in model.blocks[0].named_parameters()
                     if isinstance(p, DTensor)}

@@ -1,7 +1,6 @@
 """The course's training loop under Hugging Face Accelerate and under DeepSpeed.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.integrations import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.integrations import accelerate_train
 """
 
 from course_lib import lazy_exports

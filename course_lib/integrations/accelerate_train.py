@@ -25,14 +25,8 @@ from course_lib.core.metrics import MetricsLogger
 from course_lib.core.model import GPT
 from course_lib.core.optim import configure_optimizer, make_scheduler
 from course_lib.core.steps import evaluate
-from course_lib.train import (
-    TrainConfig,
-    build_model_config,
-    build_parser,
-    config_from_args,
-    load_splits,
-    seed_everything,
-)
+from course_lib.train import (TrainConfig, build_model_config, build_parser, config_from_args, load_splits,
+                              seed_everything)
 
 PRECISION_TO_ACCELERATE = {"auto": "no", "fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 

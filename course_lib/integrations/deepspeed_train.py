@@ -41,14 +41,8 @@ from course_lib.core.model import GPT
 from course_lib.core.optim import param_groups
 from course_lib.core.steps import evaluate
 from course_lib.runtime.env import cleanup, init_distributed
-from course_lib.train import (
-    TrainConfig,
-    build_model_config,
-    build_parser,
-    config_from_args,
-    load_splits,
-    seed_everything,
-)
+from course_lib.train import (TrainConfig, build_model_config, build_parser, config_from_args, load_splits,
+                              seed_everything)
 
 # TrainConfig field -> where the same setting lives in a DeepSpeed config.
 FLAG_TO_DEEPSPEED = {

@@ -1,7 +1,6 @@
 """Where memory goes: bytes per parameter, model states, activations (measured and predicted), the per-GPU calculator.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.memory import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.memory import memory_per_gpu, measure_saved_bytes
 """
 
 from course_lib import lazy_exports

@@ -1,7 +1,6 @@
 """Seeing what a run does: timing, per-rank timelines, the profiler and MFU, experiment logs, GPU monitoring, fused kernels.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.observability import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.observability import time_alternating, profile_steps
 """
 
 from course_lib import lazy_exports

@@ -34,7 +34,7 @@ import torch
 
 from course_lib.core.data import RandomBatches, synthetic_tokens
 from course_lib.core.metrics import MetricsLogger
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.testing import seeded_gpt
 
 WANDB_REQUIREMENT = "wandb==0.31.0"
 _WANDB_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version: the start of a .wandb file
@@ -219,8 +219,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--wandb", default="auto", choices=["auto", "on", "off"])
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_preset("tiny"))
+    model = seeded_gpt(0, "tiny")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batches = RandomBatches(synthetic_tokens(50_000), 8, 64)
     use_wandb = {"auto": "auto", "on": True, "off": False}[args.wandb]

@@ -36,9 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.optim import configure_optimizer
 from course_lib.observability.timing import machine_line, setup_threads, time_alternating, time_fn
+from course_lib.testing import seeded_gpt
 
 PHASES = ("data", "forward", "backward", "communication", "optimizer")
 CATEGORIES = ("matmul", "attention", "optimizer", "communication", "other operators", "outside operators")
@@ -53,8 +53,7 @@ GPU_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312
 def make_setup(preset: str = "tiny", batch_size: int = 16, *, data_dir: str | None = None, seed: int = 0,
                rank: int = 0, lr: float = 1e-3):
     """(model, optimizer, batches): the course GPT with AdamW, on the corpus (data_dir) or synthetic tokens."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig.from_preset(preset))
+    model = seeded_gpt(seed, preset)
     tokens = load_tokens("train", data_dir) if data_dir is not None else synthetic_tokens(200_000, seed=seed)
     batches = RandomBatches(tokens, batch_size, model.config.block_size, seed=seed + rank)
     return model, configure_optimizer(model, lr), batches

@@ -1,7 +1,6 @@
 """Pipeline parallelism: stages and micro-batches from scratch, the GPipe and 1F1B schedules, torch.distributed.pipelining.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.pipeline_parallel import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.pipeline_parallel import GPTStage, PipelineRunner
 """
 
 from course_lib import lazy_exports

@@ -1,7 +1,6 @@
 """Mixed precision: number ranges, autocast, loss scaling, and fp32 / bf16 / fp16 runs compared.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.precision import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.precision import loss_scaling_run
 """
 
 from course_lib import lazy_exports

@@ -28,10 +28,11 @@ import time
 import torch
 
 from course_lib.core.data import RandomBatches, synthetic_tokens
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
 from course_lib.core.steps import train_step
 from course_lib.observability.timing import machine_line, setup_threads
+from course_lib.testing import seeded_gpt
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,8 +62,7 @@ def precision_comparison(tokens: torch.Tensor | None = None, *, precisions=("fp3
     config = GPTConfig.from_preset(preset, block_size=max(seq_len, GPTConfig.from_preset(preset).block_size))
     runs = {}
     for name in precisions:
-        torch.manual_seed(seed)  # every copy starts from the same weights
-        model = GPT(config).to(device)
+        model = seeded_gpt(seed, config=config).to(device)  # every copy starts from the same weights
         runs[name] = {"model": model, "optimizer": configure_optimizer(model, lr), "losses": [], "step_seconds": [],
                       "scaler": torch.amp.GradScaler(device) if name == "fp16" else None,
                       "scales": [], "skipped_steps": []}
@@ -106,8 +106,7 @@ def step_noise(losses) -> float:
 
 def gradient_sample(preset: str = "tiny", batch_size: int = 8, seq_len: int = 64, seed: int = 0) -> torch.Tensor:
     """All gradient elements of one fp32 backward of an untrained model, as one flat fp32 tensor."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig.from_preset(preset))
+    model = seeded_gpt(seed, preset)
     idx = torch.randint(0, model.config.vocab_size, (batch_size, seq_len))
     _, loss = model(idx, targets=idx)
     loss.backward()

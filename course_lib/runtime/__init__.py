@@ -1,7 +1,6 @@
 """Ranks and how they start: the rank environment, the launcher, spawnable notebook functions, collectives, cluster variables, demos.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.runtime import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.runtime import get_dist_info, spawnable
 """
 
 from course_lib import lazy_exports

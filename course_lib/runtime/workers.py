@@ -20,15 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.checkpoint.atomic import atomic_write
 from course_lib.checkpoint.ranked import save_ranked_checkpoint
-from course_lib.core.model import GPT, GPTConfig
-from course_lib.data_parallel.loading import (
-    ensure_shards,
-    make_loader,
-    rank_dataset,
-)
+from course_lib.data_parallel.loading import ensure_shards, make_loader, rank_dataset
 from course_lib.runtime.collectives import gather_to_rank0, mean_over_ranks, rank_tag
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import flat_parameters
+from course_lib.testing import flat_parameters, seeded_gpt
 
 log = logging.getLogger("course")  # course_lib.runtime.launch sends it to logs/rank_<r>/train.log
 
@@ -159,8 +154,7 @@ def train_logged(out_dir: str, data_dir: str = "data", steps: int = 100, micro_b
     ensure_shards(data_dir, str(out / "shards"), num_shards=info.world_size)
     loader = make_loader(rank_dataset(out / "shards", info.rank, info.world_size, seq_len), micro_batch,
                          num_workers=num_workers, shuffle=True, seed=seed + info.rank)
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig.from_preset(preset, block_size=seq_len)).to(info.device)
+    model = seeded_gpt(seed, preset, block_size=seq_len).to(info.device)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     batches, local, rows, checkpoints = iter(loader), [], [], []

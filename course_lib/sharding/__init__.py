@@ -1,7 +1,6 @@
 """Sharded data parallelism: ZeRO stages 1-3 from scratch, FSDP2, and the model-state bytes each rank holds.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.sharding import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.sharding import apply_zero, shard_model
 """
 
 from course_lib import lazy_exports

@@ -1,7 +1,6 @@
 """Tensor parallelism: Megatron's column- and row-parallel layers from scratch, then the same plan with DTensor.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.tensor_parallel import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.tensor_parallel import apply_tensor_parallel, apply_dtensor_tp
 """
 
 from course_lib import lazy_exports

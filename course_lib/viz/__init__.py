@@ -1,7 +1,6 @@
 """Figures: loss curves, memory bars, parallelism and cluster diagrams drawn from the formulas they show.
 
-Each module is one concept; the public names below are importable from the package itself, e.g.
-`from course_lib.viz import ...`. Rank workers (`*workers.py`) are imported by their module path.
+    from course_lib.viz import plot_loss_curves
 """
 
 from course_lib import lazy_exports

@@ -268,8 +268,7 @@ def plot_bar_table(labels: Sequence[str], values: Sequence[float], *, ylabel: st
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Draw the parallelism diagram and the memory bars as PNG files.")
     parser.add_argument("--out-dir", default="figures")
-    args = parser.parse_args(argv)
-    out = Path(args.out_dir)
+    out = Path(parser.parse_args(argv).out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_parallelism().savefig(out / "parallelism.png", dpi=120)
     counts = {name: count_parameters(PRESETS[name]) for name in ("tiny", "gpt2-small")}

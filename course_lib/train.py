@@ -32,13 +32,13 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from course_lib.checkpoint.atomic import (
@@ -51,16 +51,48 @@ from course_lib.checkpoint.atomic import (
 from course_lib.checkpoint.fsdp import load_full_checkpoint, save_full_checkpoint
 from course_lib.core.config import add_dataclass_arguments, load_model_config
 from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
-from course_lib.core.device import DEVICE_CHOICES, PRECISIONS, autocast_dtype, needs_grad_scaler, select_device
+from course_lib.core.device import DEVICE_CHOICES, PRECISION_CHOICES, autocast_dtype, needs_grad_scaler, select_device
 from course_lib.core.metrics import MetricsLogger
 from course_lib.core.model import GPT, PRESETS, GPTConfig
 from course_lib.core.optim import configure_optimizer, make_scheduler
-from course_lib.core.steps import accumulate_gradients, clip_gradients, evaluate, train_step  # noqa: F401 (re-exported)
+from course_lib.core.steps import evaluate, train_step
 from course_lib.runtime.env import cleanup, init_distributed, setup_rank_logging
+from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.sharding import fsdp
+from course_lib.sharding.fsdp import apply_fsdp, mixed_precision_policy, precision_of
 
 DATASETS = ("corpus", "synthetic")
-STRATEGIES = ("single", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How `train` runs under one --strategy: what it applies to the model, and who saves, loads and evaluates."""
+
+    distributed: bool
+    """Starts a process group: torchrun's ranks, or one rank without torchrun."""
+    apply: Callable
+    """(model, cfg, autocast dtype) -> (the module to train through, the autocast dtype still to use)."""
+    save: Callable = save_training_checkpoint
+    load: Callable = load_checkpoint
+    every_rank_saves: bool = False
+    """Every rank takes part in saving (FSDP sends its shards to the one file rank 0 writes); else rank 0 alone."""
+    split_evaluation: bool = True
+    """Each rank evaluates its share of the validation batches; False: all ranks every batch together (an FSDP
+    forward all-gathers the weights, so every rank must run it)."""
+
+
+def _apply_fsdp(model, cfg, amp_dtype):
+    """FSDP2 with the policy of the precision the run asked for; it casts for compute, so no autocast on top."""
+    return apply_fsdp(model, strategy=cfg.sharding, mp_policy=mixed_precision_policy(precision_of(amp_dtype))), None
+
+
+STRATEGIES = {
+    "single": Strategy(distributed=False, apply=lambda model, cfg, amp_dtype: (model, amp_dtype)),
+    # DDP broadcasts rank 0's weights and all-reduces gradients in backward; `model` stays the plain module.
+    "ddp": Strategy(distributed=True, apply=lambda model, cfg, amp_dtype: (apply_ddp(model), amp_dtype)),
+    "fsdp": Strategy(distributed=True, apply=_apply_fsdp, save=save_full_checkpoint, load=load_full_checkpoint,
+                     every_rank_saves=True, split_evaluation=False),
+}
 SYNTHETIC_NUM_TOKENS = 200_000  # dataset="synthetic": this many "motifs" tokens, the last 10% held out
 
 
@@ -126,7 +158,7 @@ class TrainConfig:
     strategy: str = "single"
     """single (one process), ddp (torch DistributedDataParallel) or fsdp (FSDP2); one rank per process."""
     sharding: str = "FULL_SHARD"
-    """strategy fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (course_lib.sharding.fsdp.STRATEGIES)."""
+    """strategy fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (course_lib.sharding.fsdp.SHARDING_STRATEGIES)."""
     log_dir: str = "logs"
     """strategy ddp / fsdp: every rank writes its log lines to <log_dir>/rank_<r>/train.log."""
 
@@ -151,9 +183,9 @@ class TrainConfig:
             (("model_size",), f"one of {sorted(PRESETS)} (or set config_path)",
              lambda v: self.config_path is not None or v in PRESETS),
             (("dataset",), f"one of {DATASETS}", lambda v: v in DATASETS),
-            (("strategy",), f"one of {STRATEGIES}", lambda v: v in STRATEGIES),
-            (("sharding",), f"one of {list(fsdp.STRATEGIES)}", lambda v: v in fsdp.STRATEGIES),
-            (("precision",), f"one of {PRECISIONS}", lambda v: v in PRECISIONS),
+            (("strategy",), f"one of {list(STRATEGIES)}", lambda v: v in STRATEGIES),
+            (("sharding",), f"one of {list(fsdp.SHARDING_STRATEGIES)}", lambda v: v in fsdp.SHARDING_STRATEGIES),
+            (("precision",), f"one of {PRECISION_CHOICES}", lambda v: v in PRECISION_CHOICES),
             (("device",), f"one of {DEVICE_CHOICES} or cuda:N", lambda v: str(v).split(":")[0] in DEVICE_CHOICES),
             (("resume",), "True, False, 'auto' or a checkpoint path", lambda v: isinstance(v, (bool, str, Path))),
         ]
@@ -189,8 +221,9 @@ def train(cfg: TrainConfig) -> dict:
     """Run (or continue) training; returns history, evals, model and paths (see the end of the function)."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    strategy = STRATEGIES[cfg.strategy]
     rank, world_size, rank_log = 0, 1, None
-    if cfg.strategy in ("ddp", "fsdp"):
+    if strategy.distributed:
         info = init_distributed(device="auto" if cfg.device in ("auto", "mps") else cfg.device.split(":")[0])
         rank, world_size, device = info.rank, info.world_size, info.device
         rank_log = setup_rank_logging(cfg.log_dir, console=False)  # the console has rank 0's bar
@@ -206,11 +239,8 @@ def train(cfg: TrainConfig) -> dict:
     config = build_model_config(cfg)
     model = GPT(config).to(device)
     scaler = torch.amp.GradScaler(device.type) if needs_grad_scaler(device, amp_dtype) else None
-    if cfg.strategy == "fsdp":  # parameters become DTensor shards; FSDP casts them for compute (no autocast)
-        model, amp_dtype = fsdp.shard_for_training(model, cfg.sharding, amp_dtype)
-    # DDP broadcasts rank 0's weights and all-reduces gradients in backward; `model` stays the plain module.
-    train_model = DistributedDataParallel(model) if cfg.strategy == "ddp" else model
-    no_sync = train_model.no_sync if cfg.strategy == "ddp" else None
+    train_model, amp_dtype = strategy.apply(model, cfg, amp_dtype)
+    no_sync = getattr(train_model, "no_sync", None)  # a wrapper that can skip the sync of accumulating steps
     optimizer = configure_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_steps=cfg.max_steps)
@@ -220,8 +250,7 @@ def train(cfg: TrainConfig) -> dict:
     my_rows = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
     start_step, resume_from = 0, resolve_resume(cfg.resume, out_dir)
     if resume_from is not None:
-        load = load_full_checkpoint if cfg.strategy == "fsdp" else load_checkpoint
-        ckpt = load(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        ckpt = strategy.load(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         batches.load_state_dict(ckpt["data_state"])
         start_step = ckpt["step"]
     elif is_main and (removed := clear_checkpoints(out_dir)):  # else --resume would later pick up the old run's latest.pt
@@ -267,7 +296,7 @@ def train(cfg: TrainConfig) -> dict:
                 bar.write(f"step {step:6d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
                           f"grad norm {stats['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s")
             if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == last_step:
-                split = (0, 1) if cfg.strategy == "fsdp" else (rank, world_size)  # FSDP ranks all-gather together
+                split = (rank, world_size) if strategy.split_evaluation else (0, 1)
                 val_loss = evaluate(model, val_tokens, batch_size=cfg.batch_size * world_size,
                                     block_size=config.block_size, max_batches=cfg.eval_batches,
                                     amp_dtype=amp_dtype, rank=split[0], world_size=split[1])
@@ -280,10 +309,10 @@ def train(cfg: TrainConfig) -> dict:
                     bar.write(f"step {step:6d} | val loss {val_loss:.4f}")
             if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step:
                 extra = {"train_config": train_config, "val_loss": evals[-1]["val_loss"] if evals else None}
-                save = save_full_checkpoint if cfg.strategy == "fsdp" else save_training_checkpoint
-                if cfg.strategy == "fsdp" or is_main:  # FSDP: every rank sends its shards, rank 0 writes one file
-                    ckpt_path = save(out_dir, step=step, keep_last=cfg.keep_last, model=model, optimizer=optimizer,
-                                     scheduler=scheduler, scaler=scaler, data_state=batches.state_dict(), extra=extra)
+                if strategy.every_rank_saves or is_main:
+                    ckpt_path = strategy.save(out_dir, step=step, keep_last=cfg.keep_last, model=model,
+                                              optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                              data_state=batches.state_dict(), extra=extra)
                 if world_size > 1:
                     dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
     finally:
@@ -329,7 +358,7 @@ def main(argv=None) -> dict:
     try:
         result = train(cfg)
     finally:
-        if cfg.strategy in ("ddp", "fsdp"):
+        if STRATEGIES[cfg.strategy].distributed:
             cleanup()
     if result["rank"] != 0:
         return result

@@ -32,7 +32,7 @@ from course_lib.core.data import RandomBatches, load_tokens
 from course_lib.core.metrics import MetricsLogger
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.optim import configure_optimizer, get_lr
-from course_lib.train import evaluate
+from course_lib.core.steps import evaluate
 
 
 class TinyTransformer(GPT):

@@ -14,7 +14,8 @@ from course_lib.core.data import synthetic_tokens
 from course_lib.core.device import autocast_context, autocast_dtype, select_device
 from course_lib.core.metrics import MetricsLogger, read_metrics
 from course_lib.core.model import GPT, GPTConfig
-from course_lib.train import TrainConfig, accumulate_gradients, clip_gradients, main, train, train_step
+from course_lib.train import TrainConfig, main, train
+from course_lib.core.steps import accumulate_gradients, clip_gradients, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = GPTConfig.from_preset("tiny", block_size=32)

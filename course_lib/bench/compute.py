@@ -102,7 +102,7 @@ TRAIN_VARIANTS = [
 ]
 
 
-def make_train_step(variant: TrainVariant) -> tuple[GPT, Callable[[], None], int, int]:
+def variant_train_step(variant: TrainVariant) -> tuple[GPT, Callable[[], None], int, int]:
     """A real optimizer step of the course's GPT on random tokens: (model, step, tokens per step, T).
 
     Batches are made before timing, so data loading is excluded from the figures.
@@ -153,7 +153,7 @@ def run_train(opts: Options) -> Table:
     ceilings = {"fp32": matmul_fn(MATMUL_CEILING_N), "bf16": matmul_fn(MATMUL_CEILING_N, torch.bfloat16)}
     rows = []
     for variant in variants:
-        model, step, tokens_per_step, seq_len = make_train_step(variant)
+        model, step, tokens_per_step, seq_len = variant_train_step(variant)
         fns = {"step": step, "fp32": ceilings["fp32"]}
         if variant.bf16_autocast:
             fns["bf16"] = ceilings["bf16"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from course_lib.bench.parallel_workers import PP_SCHEDULES, STRATEGIES, parallel_bench
+from course_lib.bench.parallel_workers import PP_SCHEDULES, PARALLEL_STRATEGIES, parallel_bench
 from course_lib.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
                                      ranks_setup, strategy_rows)
 from course_lib.core.model import GPTConfig
@@ -57,7 +57,7 @@ def expected_payload_bytes(strategy: str, config: GPTConfig, n_params: int, worl
         first, last = rank == 0, rank == world_size - 1
         boundaries = (not last) + (not first)  # activations go right, their gradients left
         return boundaries * micro_batches * volume["message"] + (first or last) * volume["tied_grad"]
-    raise ValueError(f"unknown strategy {strategy!r}; choose from {list(STRATEGIES)}")
+    raise ValueError(f"unknown strategy {strategy!r}; choose from {list(PARALLEL_STRATEGIES)}")
 
 
 def ring_wire_bytes(strategy: str, payload_bytes: int, world_size: int) -> float:
@@ -149,7 +149,7 @@ def _notes(rows: list[dict], workload: dict, cores: int) -> list[str]:
     return notes + oversubscribed_note(PARALLEL_RANKS, cores, " (TP and PP ranks wait on each other inside every step)")
 
 
-def run_parallel(opts: Options, strategies=STRATEGIES) -> Table:
+def run_parallel(opts: Options, strategies=PARALLEL_STRATEGIES) -> Table:
     """DP, TP and PP at 2 and 4 ranks: step time, and bytes per rank measured against the formulas."""
     workload, rows = strategy_rows(parallel_bench, PARALLEL_RANKS, opts, WORKLOAD, strategies, parallel_rows,
                                    log_prefix="bench_parallel_")

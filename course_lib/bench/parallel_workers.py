@@ -48,7 +48,7 @@ from course_lib.sharding.zero_workers import TRAINING
 from course_lib.tensor_parallel.scratch import apply_tensor_parallel, check_tensor_parallel_config
 from course_lib.testing import global_batches, local_rows, seeded_gpt
 
-STRATEGIES = ("DP", "TP", "PP 1F1B", "PP GPipe")
+PARALLEL_STRATEGIES = ("DP", "TP", "PP 1F1B", "PP GPipe")
 PP_SCHEDULES = {"PP 1F1B": "1f1b", "PP GPipe": "gpipe"}
 
 
@@ -96,7 +96,7 @@ class TensorParallel:
 
     def __init__(self, config: GPTConfig, seed: int, rank: int, world_size: int):
         self.model = seeded_gpt(seed, config=config)
-        self.stats = apply_tensor_parallel(self.model)
+        self.stats = apply_tensor_parallel(self.model).tp_stats
         self.optimizer = configure_optimizer(self.model, **TRAINING)
 
     @property
@@ -163,7 +163,7 @@ def check_parallel_workload(config: GPTConfig, world_size: int, global_batch: in
                          "every pipeline stage needs a block (override n_layer)")
 
 
-def parallel_bench(strategies=STRATEGIES, preset: str = "small", config_overrides: dict | None = None,
+def parallel_bench(strategies=PARALLEL_STRATEGIES, preset: str = "small", config_overrides: dict | None = None,
                    global_batch: int = 8, seq_len: int = 128, micro_batches: int = 4, warmup: int = 2,
                    steps: int = 10, seed: int = 0) -> dict:
     """Worker: `warmup` + `steps` rounds, each one training step of every strategy on the same global batch.
@@ -174,9 +174,9 @@ def parallel_bench(strategies=STRATEGIES, preset: str = "small", config_override
     the whole batch's loss at the first step (every strategy starts from the same weights).
     """
     info = get_dist_info()
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in PARALLEL_STRATEGIES]
     if unknown or not strategies:
-        raise ValueError(f"strategies must be a non-empty selection of {list(STRATEGIES)}, got {list(strategies)}")
+        raise ValueError(f"strategies must be a non-empty selection of {list(PARALLEL_STRATEGIES)}, got {list(strategies)}")
     if warmup < 1 or steps < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={warmup}, steps={steps}")
     config = GPTConfig.from_preset(preset, **(config_overrides or {}))

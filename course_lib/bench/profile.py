@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from course_lib.bench.compute import TRAIN_VARIANTS, make_train_step
+from course_lib.bench.compute import TRAIN_VARIANTS, variant_train_step
 from course_lib.bench.report import Column, Options, Table
 from course_lib.observability.profiling import category_shares, without_profiler_banner
 
@@ -48,7 +48,7 @@ def run_profile(opts: Options) -> Table:
     """Where one plain eager fp32 training step spends its time (torch.profiler, self time per operator)."""
     rows = []
     for variant in [v for v in TRAIN_VARIANTS if v.plain and (v.quick or not opts.quick)]:
-        _, step, _, seq_len = make_train_step(variant)
+        _, step, _, seq_len = variant_train_step(variant)
         for _ in range(2):  # warm-up
             step()
         shares = step_time_shares(step, steps=2 if opts.quick else 5)

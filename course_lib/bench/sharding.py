@@ -17,7 +17,7 @@ import os
 
 from course_lib.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
                                      ranks_setup, strategy_rows)
-from course_lib.bench.sharding_workers import STRATEGIES, sharding_bench
+from course_lib.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, sharding_bench
 from course_lib.observability.timing import Timing
 from course_lib.sharding.memory import KINDS
 
@@ -54,7 +54,7 @@ def sharding_rows(ranks: list[dict], *, cores: int, workload: dict) -> list[dict
     return add_ratios(rows, "DDP", {"vs_ddp": "total_bytes", "time_vs_ddp": "step_ms"})
 
 
-def run_sharding(opts: Options, strategies=STRATEGIES) -> Table:
+def run_sharding(opts: Options, strategies=DATA_PARALLEL_STRATEGIES) -> Table:
     """DDP, ZeRO-1/2/3 and FSDP at 2 and 4 ranks: model-state bytes per rank against the formulas, step time."""
     workload, rows = strategy_rows(sharding_bench, SHARDING_RANKS, opts, WORKLOAD, strategies, sharding_rows,
                                    log_prefix="bench_sharding_")
@@ -65,7 +65,7 @@ def run_sharding(opts: Options, strategies=STRATEGIES) -> Table:
         f"{first['preset']} preset ({first['n_params']:,} parameters), fp32 AdamW, one global batch of "
         f"{workload['global_batch']} x {workload['seq_len']} tokens ({tokens:,}) per step at every world size. "
         "DDP = torch DDP; ZeRO-1/2/3 = course_lib.sharding.zero (from scratch); FSDP = torch FSDP2 (course_lib.sharding.fsdp."
-        "shard_model, every Block then the root). Each strategy trains its own copy of the same model in the "
+        "apply_fsdp, every Block then the root). Each strategy trains its own copy of the same model in the "
         "same ranks, one step per round, the order rotating every round.",
         "MB per rank (10^6 bytes), counted from live tensors right after the last optimizer step, each storage "
         "once (course_lib.sharding.memory.measure_model_states): params, grads, optim = AdamW's exp_avg and "

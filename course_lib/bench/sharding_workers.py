@@ -9,7 +9,7 @@ a step takes, all trained in the same ranks and taking turns step by step.
     .venv/bin/python scripts/bench.py --only sharding        # the table, at 2 and 4 ranks
 
 Every strategy wraps its own copy of the same model (same seed) with the course's code: torch DDP and FSDP2
-(course_lib.sharding.fsdp.shard_model) with torch AdamW over course_lib.core.optim's groups; ZeRO-1/2/3 with
+(course_lib.sharding.fsdp.apply_fsdp) with torch AdamW over course_lib.core.optim's groups; ZeRO-1/2/3 with
 course_lib.sharding.apply_zero (its flat-shard AdamW). Each round, every strategy trains one step on this rank's
 rows of the same global batch, in a rotating order, so that all of them see the same stretches of machine load.
 
@@ -32,12 +32,12 @@ from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding import apply_zero
-from course_lib.sharding.fsdp import expected_fsdp_model_states, shard_model
+from course_lib.sharding.fsdp import expected_fsdp_model_states, apply_fsdp
 from course_lib.sharding.memory import expected_model_states, live_bytes, measure_model_states
 from course_lib.sharding.zero_workers import TRAINING
 from course_lib.testing import global_batches, local_rows, seeded_gpt
 
-STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP FULL_SHARD", "FSDP SHARD_GRAD_OP")
+DATA_PARALLEL_STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP FULL_SHARD", "FSDP SHARD_GRAD_OP")
 ZERO_STAGES = {"ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3}
 
 
@@ -102,8 +102,8 @@ class Trainee:
     """One strategy's model, optimizer step, and memory: measured (this rank) and predicted by its formula."""
 
     def __init__(self, name: str, config: GPTConfig, seed: int, world_size: int, rank: int):
-        if name not in STRATEGIES:
-            raise ValueError(f"unknown strategy {name!r}; choose from {list(STRATEGIES)}")
+        if name not in DATA_PARALLEL_STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose from {list(DATA_PARALLEL_STRATEGIES)}")
         self.name = name
         self.model = model = seeded_gpt(seed, config=config)
         self.probe = PeakProbe(model)  # before wrapping: its gradient hooks must run before ZeRO's
@@ -122,9 +122,9 @@ class Trainee:
             self.optimizer = configure_optimizer(model, **TRAINING)
             # torch AdamW keeps a 4-byte `step` tensor per parameter tensor.
             self.expected = expected_model_states(self.n_params, world_size, 0, n_step_counters=len(trainable))
-        else:  # "FSDP <strategy>": shard_model returns the model itself, now an FSDPModule
+        else:  # "FSDP <strategy>": apply_fsdp returns the model itself, now an FSDPModule
             strategy = name.split()[1]
-            shard_model(model, strategy=strategy)
+            apply_fsdp(model, strategy=strategy)
             self.optimizer = configure_optimizer(model, **TRAINING)  # after sharding: it sees the shards
             self.probe.watch(list(model.parameters()))  # the DTensor shards, also while gathered ones are swapped in
             self.expected = expected_fsdp_model_states(model, world_size, rank, strategy=strategy)
@@ -145,7 +145,7 @@ class Trainee:
         return measure_model_states(self.model, self.optimizer)
 
 
-def sharding_bench(strategies=STRATEGIES, preset: str = "small", global_batch: int = 8, seq_len: int = 128,
+def sharding_bench(strategies=DATA_PARALLEL_STRATEGIES, preset: str = "small", global_batch: int = 8, seq_len: int = 128,
                    warmup: int = 2, steps: int = 10, seed: int = 0) -> dict:
     """Worker: `warmup` + `steps` rounds, each one step of every strategy on this rank's rows of one global batch.
 
@@ -155,9 +155,9 @@ def sharding_bench(strategies=STRATEGIES, preset: str = "small", global_batch: i
     warm-up round (see PeakProbe); peak_gathered = Zero3Optimizer.peak_gathered_bytes (ZeRO-3, else None).
     """
     info = get_dist_info()
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in DATA_PARALLEL_STRATEGIES]
     if unknown or not strategies:
-        raise ValueError(f"strategies must be a non-empty selection of {list(STRATEGIES)}, got {list(strategies)}")
+        raise ValueError(f"strategies must be a non-empty selection of {list(DATA_PARALLEL_STRATEGIES)}, got {list(strategies)}")
     if global_batch % info.world_size:
         raise ValueError(f"global_batch ({global_batch}) must be divisible by world_size ({info.world_size})")
     if warmup < 1 or steps < 1:

@@ -1,4 +1,5 @@
-"""Checkpoints that survive a crash: single-process atomic files, ranked shards with a manifest, FSDP full and DCP checkpoints.
+"""Checkpoints that survive a crash: atomic single-process files, ranked shards with a manifest,
+FSDP full and DCP checkpoints.
 
     from course_lib.checkpoint import save_checkpoint, save_ranked_checkpoint
 """

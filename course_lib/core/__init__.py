@@ -1,4 +1,5 @@
-"""The model and everything one process needs to train it: GPT and its config, data, optimizer, one step, device, metrics.
+"""The model and what one process needs to train it: GPT and its config, data, optimizer, one step,
+device, metrics.
 
     from course_lib.core import GPT, GPTConfig, train_step
 """
@@ -10,7 +11,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                "config_to_json_dict", "add_dataclass_arguments"),
     "data": ("CORPUS_FILE", "SPLITS", "SYNTHETIC_KINDS", "ByteTokenizer", "load_corpus", "corpus_stats",
              "prepare_tokens", "load_tokens", "RandomBatches", "eval_batches", "synthetic_tokens"),
-    "device": ("PRECISIONS", "DEVICE_CHOICES", "mps_available", "select_device", "autocast_dtype",
+    "device": ("PRECISION_CHOICES", "DEVICE_CHOICES", "mps_available", "select_device", "autocast_dtype",
                "autocast_context", "needs_grad_scaler"),
     "metrics": ("METRICS_FILE", "MetricsLogger", "read_metrics"),
     "model": ("ATTENTION_IMPLS", "GPTConfig", "PRESETS", "RMSNorm", "rotate_half", "apply_rotary_pos_emb",

@@ -29,7 +29,7 @@ import torch
 
 from course_lib.core.model import GPT, GPTConfig
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
 DEVICE_CHOICES = ("auto", "cuda", "mps", "cpu")
 
 
@@ -63,8 +63,8 @@ def select_device(preference: str = "auto") -> torch.device:
 def autocast_dtype(device: torch.device | str, precision: str = "auto") -> torch.dtype | None:
     """The dtype autocast should use on `device`, or None for plain fp32 (see the module docstring)."""
     device = torch.device(device)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision not in PRECISION_CHOICES:
+        raise ValueError(f"precision must be one of {PRECISION_CHOICES}, got {precision!r}")
     if precision == "fp32":
         return None
     if precision == "auto":
@@ -127,7 +127,7 @@ def _bench(steps: int = 20) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Print the selected device and autocast dtype.")
     parser.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
-    parser.add_argument("--precision", default="auto", choices=PRECISIONS)
+    parser.add_argument("--precision", default="auto", choices=PRECISION_CHOICES)
     parser.add_argument("--bench", action="store_true", help="time fp32 vs bf16 autocast training steps on CPU")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)

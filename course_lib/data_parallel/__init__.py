@@ -1,4 +1,5 @@
-"""Data parallelism: from scratch (naive, then bucketed with overlap), torch DDP, which samples each rank sees, data loading at scale.
+"""Data parallelism: from scratch (naive, then bucketed with overlap), torch DDP, which samples each
+rank sees, data loading at scale.
 
     from course_lib.data_parallel import BucketedDataParallel
 """
@@ -11,6 +12,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                 "time_input_pipeline", "make_train_step", "compare_workers", "ensure_shards"),
     "sampler": ("shard_indices",),
     "scratch": ("broadcast_parameters", "allreduce_gradients", "Bucket", "BucketedDataParallel"),
-    "torch_ddp": ("wrap_ddp", "TokenWindows", "recording_allreduce_hook", "ddp_train", "no_sync_accumulation",
+    "torch_ddp": ("apply_ddp", "TokenWindows", "recording_allreduce_hook", "ddp_train", "no_sync_accumulation",
                   "train_and_accumulate"),
 })

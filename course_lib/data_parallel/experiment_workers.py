@@ -29,10 +29,11 @@ from course_lib.core.data import load_tokens, prepare_tokens
 from course_lib.core.optim import configure_optimizer
 from course_lib.data_parallel.loading import make_loader, rank_dataset
 from course_lib.data_parallel.scratch import BucketedDataParallel, broadcast_parameters
-from course_lib.data_parallel.torch_ddp import wrap_ddp
-from course_lib.data_parallel.workers import all_strategies_run, ring_allreduce_check, timed_sync_step
+from course_lib.data_parallel.torch_ddp import apply_ddp
+from course_lib.data_parallel.workers import GRADIENT_SYNCS, data_parallel_run, ring_allreduce_check, timed_sync_step
 from course_lib.runtime.collectives import slowest
 from course_lib.runtime.env import get_dist_info
+from course_lib.runtime.launch import run_each
 from course_lib.testing import flat_parameters, local_rows, seeded_gpt
 
 log = logging.getLogger("course")  # course_lib.runtime.launch sends it to logs/rank_<r>/train.log
@@ -114,8 +115,9 @@ def bucket_sweep(bucket_caps_mb=(0.05, 0.25, 1.0, 4.0), steps: int = 6, warmup: 
 
 
 def parity_and_ring(steps: int = 3, numels=(1, 7, 1000, 4099)) -> dict:
-    """course_lib.data_parallel.workers.all_strategies_run and ring_allreduce_check in one job (one start-up, not two)."""
-    return {"strategies": all_strategies_run(steps), "ring": ring_allreduce_check(numels)}
+    """data_parallel_run with every gradient sync, then ring_allreduce_check, in one job (one start-up)."""
+    syncs = {sync: (data_parallel_run, dict(strategy=sync, steps=steps)) for sync in GRADIENT_SYNCS}
+    return {"strategies": run_each(syncs), "ring": ring_allreduce_check(numels)}
 
 
 def world_size_sweep(world_sizes=(1, 2, 4), steps: int = 8, warmup: int = 2, global_batch: int = 16,
@@ -140,7 +142,7 @@ def world_size_sweep(world_sizes=(1, 2, 4), steps: int = 8, warmup: int = 2, glo
     for n in world_sizes:
         if info.rank < n:
             model = seeded_gpt(seed, preset, block_size=seq_len).to(info.device)
-            replicas[n] = (model, wrap_ddp(model, info.device, groups[n]),
+            replicas[n] = (model, apply_ddp(model, info.device, groups[n]),
                            configure_optimizer(model, 3e-3))
     out = {n: {"losses": [], "step_s": []} for n in replicas}
     for step in range(warmup + steps):

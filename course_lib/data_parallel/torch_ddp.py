@@ -17,6 +17,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -28,12 +29,14 @@ from course_lib.testing import flat_parameters, global_batches, seeded_gpt
 log = logging.getLogger("course")
 
 
-def wrap_ddp(model, device: torch.device, group=None) -> DistributedDataParallel:
-    """torch DDP on this rank's device (one GPU per rank: device_ids; on the CPU: none).
+def apply_ddp(model: nn.Module, device: torch.device | None = None, group=None) -> DistributedDataParallel:
+    """torch DDP over `group` (default: all ranks) on the model's device (one GPU per rank: device_ids; on the
+    CPU: none). Returns the wrapper to train through; `model` stays the plain module (its state dict, evaluation).
 
     broadcast_buffers=False: the model's only buffers are the rotary cos/sin tables, computed identically on
     every rank, so re-sending rank 0's copy before every forward (DDP's default) would be wasted traffic.
     """
+    device = device or next(model.parameters()).device
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    process_group=group, broadcast_buffers=False)
 
@@ -97,7 +100,7 @@ def ddp_train(steps: int = 30, micro_batch: int = 8, grad_accum_steps: int = 1, 
     sampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)  # rank, world size: the group's
     batches = _epochs(DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True), sampler)
     model = seeded_gpt(seed, preset, block_size=seq_len).to(info.device)
-    ddp = wrap_ddp(model, info.device)
+    ddp = apply_ddp(model, info.device)
     hook_state = {"local_sq_norm": 0.0, "allreduces": 0}
     ddp.register_comm_hook(hook_state, recording_allreduce_hook)
     optimizer = configure_optimizer(model, lr)
@@ -148,7 +151,7 @@ def no_sync_accumulation(micro_batch: int = 2, grad_accum_steps: int = 4, seq_le
     out = {}
     for variant in ("no_sync", "sync_every_micro_batch"):
         model = seeded_gpt(seed, preset, block_size=seq_len).to(info.device)
-        ddp = wrap_ddp(model, info.device)
+        ddp = apply_ddp(model, info.device)
         state = {"local_sq_norm": 0.0, "allreduces": 0}
         ddp.register_comm_hook(state, recording_allreduce_hook)
         for i in range(grad_accum_steps):

@@ -20,7 +20,7 @@ from course_lib.runtime.collectives import ring_all_reduce
 from course_lib.runtime.env import get_dist_info
 from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 
-STRATEGIES = ("naive", "bucketed", "torch_ddp")
+GRADIENT_SYNCS = ("naive", "bucketed", "torch_ddp")
 
 
 def data_parallel_run(strategy: str = "naive", steps: int = 3, preset: str = "tiny", global_batch: int = 8,
@@ -29,8 +29,8 @@ def data_parallel_run(strategy: str = "naive", steps: int = 3, preset: str = "ti
 
     Returns this rank's first-step gradients, final parameters, per-step local losses and a timeline.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy not in GRADIENT_SYNCS:
+        raise ValueError(f"strategy must be one of {GRADIENT_SYNCS}, got {strategy!r}")
     info = get_dist_info()
     model = seeded_gpt(seed + info.rank, preset)  # different init per rank: the broadcast must fix it
     if strategy == "naive":
@@ -78,11 +78,6 @@ def timed_sync_step(model, wrapped, rows) -> tuple[torch.Tensor, list[tuple[str,
         comm = []
     end = time.monotonic()
     return loss, [("forward", start, forward_end), ("backward", forward_end, backward_end), *comm, ("step_end", end, end)]
-
-
-def all_strategies_run(steps: int = 3, **kwargs) -> dict:
-    """data_parallel_run for every strategy in turn, in the same ranks (one launch instead of three)."""
-    return {strategy: data_parallel_run(strategy, steps, **kwargs) for strategy in STRATEGIES}
 
 
 def ring_allreduce_check(numels=(1, 7, 1000), seed: int = 0) -> list[dict]:

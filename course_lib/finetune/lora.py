@@ -260,7 +260,7 @@ def fine_tune(model: nn.Module, tokens: torch.Tensor, *, steps: int, lr: float, 
             "seconds": seconds}
 
 
-def memory_table(targets=DEFAULT_TARGETS, r: int = 8, weight_bytes: int = 4) -> str:
+def lora_memory_table(targets=DEFAULT_TARGETS, r: int = 8, weight_bytes: int = 4) -> str:
     """Full vs LoRA fine-tuning, per preset and for a LLaMA-7B-shaped config: parameters and bytes."""
     configs = {name: cfg for name, cfg in PRESETS.items()}
     configs["llama-7b shape"] = GPTConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096,
@@ -283,7 +283,7 @@ def main(argv=None) -> None:
     parser.add_argument("--r", type=int, default=8)
     parser.add_argument("--weight-bytes", type=int, default=4, help="bytes per frozen weight (2 for bf16)")
     args = parser.parse_args(argv)
-    print(memory_table(tuple(args.targets.split(",")), args.r, args.weight_bytes))
+    print(lora_memory_table(tuple(args.targets.split(",")), args.r, args.weight_bytes))
 
 
 if __name__ == "__main__":

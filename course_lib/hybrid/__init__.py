@@ -1,4 +1,5 @@
-"""Parallelisms combined: data x tensor parallel on one mesh, the rank groups of 3D layouts, and a planner for ~1000 GPUs.
+"""Parallelisms combined: data x tensor parallel on one mesh, the rank groups of 3D layouts, and a
+planner for ~1000 GPUs.
 
     from course_lib.hybrid import rank_groups, plan
 """
@@ -6,8 +7,8 @@
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "dp_tp": ("DATA_PARALLEL", "apply_fsdp", "tp_collective_counts", "dp_tp_run",
-              "dp_tp_runs", "check_parity"),
+    "dp_tp": ("DATA_PARALLEL", "tp_collective_counts", "dp_tp_run",
+              "check_parity"),
     "layout": ("DIMS", "DEFAULT_ORDER", "RankPlace", "parallel_sizes", "mesh_shape", "strides", "coordinates",
                "rank_of", "rank_groups", "all_groups", "node_of", "nodes_spanned", "check_tp_within_nodes",
                "format_layout", "torch_mesh_groups"),

@@ -42,22 +42,13 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.data_parallel.scratch import allreduce_gradients
-from course_lib.runtime.launch import launch
+from course_lib.sharding.fsdp import apply_fsdp
+from course_lib.runtime.launch import launch, run_each
 from course_lib.tensor_parallel.dtensor import apply_dtensor_tp, full_copy
 from course_lib.tensor_parallel.scratch import check_tensor_parallel_config
 from course_lib.testing import global_batches, local_rows, seeded_gpt, single_process_run
 
 DATA_PARALLEL = ("allreduce", "fsdp")
-
-
-def apply_fsdp(model: GPT, dp_mesh) -> GPT:
-    """FSDP2 over the data-parallel mesh: one unit per block, the rest (embedding, final norm) at the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    return model
 
 
 def tp_collective_counts(model: GPT, idx: torch.Tensor) -> dict:
@@ -100,7 +91,7 @@ def dp_tp_run(dp: int = 2, tp: int = 2, steps: int = 3, preset: str = "tiny", gl
     local_shapes = {name: tuple(p.to_local().shape) for name, p in model.blocks[0].named_parameters()
                     if isinstance(p, DTensor)}
     if data_parallel == "fsdp":
-        apply_fsdp(model, mesh["dp"])
+        apply_fsdp(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)  # single_process_run's
 
     losses, first_grads = [], None
@@ -119,11 +110,6 @@ def dp_tp_run(dp: int = 2, tp: int = 2, steps: int = 3, preset: str = "tiny", gl
             "groups": {dim: tuple(dist.get_process_group_ranks(mesh.get_group(dim))) for dim in ("dp", "tp")},
             "losses": losses, "grads": first_grads, "local_shapes": local_shapes, "tp_collectives": counts,
             "params": {name: full_copy(p) for name, p in model.named_parameters()}}
-
-
-def dp_tp_runs(data_parallel=DATA_PARALLEL, **kwargs) -> dict:
-    """dp_tp_run for each data-parallel variant in turn, in the same ranks (one launch instead of several)."""
-    return {variant: dp_tp_run(data_parallel=variant, **kwargs) for variant in data_parallel}
 
 
 def check_parity(ranks: list[dict], reference: dict) -> dict:
@@ -162,8 +148,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     kwargs = dict(dp=args.dp, tp=args.tp, steps=args.steps, preset=args.preset)
     with tempfile.TemporaryDirectory(prefix="rank-logs-") as log_dir:
-        ranks = launch(dp_tp_runs, args.dp * args.tp, kwargs=dict(data_parallel=args.data_parallel, **kwargs),
-                       log_dir=log_dir, threads_per_rank=1, echo=False)
+        runs = {variant: (dp_tp_run, dict(data_parallel=variant, **kwargs)) for variant in args.data_parallel}
+        ranks = launch(run_each, args.dp * args.tp, args=(runs,), log_dir=log_dir, threads_per_rank=1, echo=False)
     reference = single_process_run(steps=args.steps, preset=args.preset)
     for variant in args.data_parallel:
         results = [r[variant] for r in ranks]

@@ -6,7 +6,7 @@
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "accounting": ("PRECISIONS", "OPTIMIZER_STATES", "GPU_80GB", "MemoryEstimate", "count_parameters",
+    "accounting": ("PRECISION_BYTES", "OPTIMIZER_STATES", "GPU_80GB", "MemoryEstimate", "count_parameters",
                    "estimate_training_memory", "measure_training_memory", "format_bytes", "memory_table"),
     "activations": ("DTYPE_BYTES", "AMP_DTYPES", "SavedBytes", "layer_terms", "head_terms", "expected_saved_bytes",
                     "RECOMPUTE", "korthikanti_bytes_per_layer", "count_saved_bytes", "measure_saved_bytes"),

@@ -24,7 +24,7 @@ from course_lib.core.checks import positive_int
 from course_lib.core.model import PRESETS, GPTConfig
 
 # Bytes per parameter of (weights, gradients, fp32 master copy) for each precision recipe.
-PRECISIONS = {
+PRECISION_BYTES = {
     "fp32": (4, 4, 0),
     # bf16/fp16 weights and gradients for compute; the optimizer updates an fp32 master copy because
     # small updates vanish when added to a 16-bit weight.
@@ -81,11 +81,11 @@ def estimate_training_memory(n_params: int, *, precision: str = "fp32", optimize
     activations: bytes of saved activations, if you know them (they depend on batch and sequence length).
     """
     positive_int("n_params", n_params)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
-    weight_b, grad_b, master_b = PRECISIONS[precision]
+    weight_b, grad_b, master_b = PRECISION_BYTES[precision]
     return MemoryEstimate(
         n_params=n_params,
         weights=weight_b * n_params,
@@ -150,7 +150,7 @@ def memory_table(n_params_by_name: dict[str, int], *, precision: str = "fp32", o
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
+    parser.add_argument("--precision", default="fp32", choices=sorted(PRECISION_BYTES))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     args = parser.parse_args(argv)
     counts = {name: count_parameters(cfg) for name, cfg in PRESETS.items()}

@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from course_lib.core.model import PRESETS, GPTConfig
-from course_lib.memory.accounting import GPU_80GB, OPTIMIZER_STATES, PRECISIONS, count_parameters, format_bytes
+from course_lib.memory.accounting import GPU_80GB, OPTIMIZER_STATES, PRECISION_BYTES, count_parameters, format_bytes
 from course_lib.memory.activations import head_terms, layer_terms
 from course_lib.memory.capacity import ZERO_STAGES, zero_memory_per_gpu
 
@@ -139,14 +139,14 @@ def memory_per_gpu(model="llama-7b-like", *, world_size: int = 1, zero_stage: in
     name, config, n_params = resolve_model(model)
     _check("world_size", world_size, minimum=1)
     _check("zero_stage", zero_stage, allowed=ZERO_STAGES)
-    _check("precision", precision, allowed=sorted(PRECISIONS))
+    _check("precision", precision, allowed=sorted(PRECISION_BYTES))
     _check("optimizer", optimizer, allowed=sorted(OPTIMIZER_STATES))
     _check("activation_checkpointing", activation_checkpointing, allowed=(False, True))
     _check("micro_batch", micro_batch, minimum=1)
     _check("attn_impl", attn_impl, allowed=("sdpa", "explicit"))
     if seq_len is not None:
         _check("seq_len", seq_len, minimum=2)
-    weight_b, grad_b, master_b = PRECISIONS[precision]
+    weight_b, grad_b, master_b = PRECISION_BYTES[precision]
     k = master_b + 4 * OPTIMIZER_STATES[optimizer]  # optimizer-side bytes per parameter (ZeRO's K)
     states = zero_memory_per_gpu(n_params, world_size, zero_stage, k=k, param_bytes=weight_b, grad_bytes=grad_b)
     activations = 0
@@ -226,7 +226,7 @@ class MemoryCalculator:
             "model": w.Dropdown(options=list(MODELS), value="llama-7b-like", description="model"),
             "world_size": w.Dropdown(options=[2**i for i in range(11)], value=8, description="GPUs"),
             "zero_stage": w.ToggleButtons(options=list(ZERO_STAGES), value=0, description="ZeRO stage"),
-            "precision": w.Dropdown(options=sorted(PRECISIONS), value="mixed", description="precision"),
+            "precision": w.Dropdown(options=sorted(PRECISION_BYTES), value="mixed", description="precision"),
             "optimizer": w.Dropdown(options=sorted(OPTIMIZER_STATES), value="adamw", description="optimizer"),
             "activation_checkpointing": w.Checkbox(value=False, description="activation checkpointing"),
             "micro_batch": w.IntSlider(value=1, min=1, max=64, description="micro-batch"),
@@ -279,7 +279,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="llama-7b-like", choices=sorted(MODELS))
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--zero-stage", type=int, default=None, help="one stage; default: all four")
-    parser.add_argument("--precision", default="mixed", choices=sorted(PRECISIONS))
+    parser.add_argument("--precision", default="mixed", choices=sorted(PRECISION_BYTES))
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=None)

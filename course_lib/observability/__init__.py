@@ -1,4 +1,5 @@
-"""Seeing what a run does: timing, per-rank timelines, the profiler and MFU, experiment logs, GPU monitoring, fused kernels.
+"""Seeing what a run does: timing, per-rank timelines, the profiler and MFU, experiment logs, GPU
+monitoring, fused kernels.
 
     from course_lib.observability import time_alternating, profile_steps
 """
@@ -11,7 +12,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "fused": ("ADAMW_IMPLS", "NOT_KERNELS", "OpCall", "record_ops", "op_summary", "silu_comparison", "make_adamw",
               "adamw_comparison", "attention_comparison", "format_rows"),
     "gpu_monitor": ("MIB", "QUERY_FIELDS", "NVIDIA_SMI_TIMEOUT_S", "GPUStat", "GPUSnapshot",
-                    "parse_nvidia_smi_csv", "gpu_snapshot", "summarise_allocator", "torch_memory", "format_table",
+                    "parse_nvidia_smi_csv", "gpu_snapshot", "summarise_allocator", "torch_memory", "format_snapshot",
                     "allocator_line"),
     "profiling": ("PHASES", "CATEGORIES", "MATMUL_OPS", "MATMUL_CEILING_N", "GPU_PEAK_TFLOPS", "make_setup",
                   "run_step", "medians", "step_breakdown", "allreduce_gradients_flat", "ddp_step_breakdown",

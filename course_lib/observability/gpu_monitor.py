@@ -254,7 +254,7 @@ def _mib(n_bytes: int | None) -> float | None:
     return None if n_bytes is None else n_bytes / MIB
 
 
-def format_table(snapshot: GPUSnapshot) -> str:
+def format_snapshot(snapshot: GPUSnapshot) -> str:
     """The snapshot as a text table (MiB, as nvidia-smi prints memory), or the no-GPU message."""
     if not snapshot:
         return f"no NVIDIA GPU found ({snapshot.reason})"
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
         else:
             if args.watch is not None:
                 print(time.strftime("%Y-%m-%d %H:%M:%S"))
-            print(format_table(snapshot), flush=True)
+            print(format_snapshot(snapshot), flush=True)
         if args.watch is None or not snapshot:
             return 0 if snapshot else 1
         try:

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: stages and micro-batches from scratch, the GPipe and 1F1B schedules, torch.distributed.pipelining.
+"""Pipeline parallelism: stages and micro-batches from scratch, the GPipe and 1F1B schedules,
+torch.distributed.pipelining.
 
     from course_lib.pipeline_parallel import GPTStage, PipelineRunner
 """

@@ -104,11 +104,6 @@ def pipeline_train(schedule: str = "1f1b", steps: int = 3, micro_batches: int = 
     return result
 
 
-def pipeline_checks(runs=(("scratch", "gpipe"), ("scratch", "1f1b")), **kwargs) -> dict:
-    """pipeline_train for several (implementation, schedule) pairs in the same ranks (one launch)."""
-    return {f"{impl} {schedule}": pipeline_train(schedule, implementation=impl, **kwargs) for impl, schedule in runs}
-
-
 def bubble_sweep(micro_batch_counts=(1, 2, 4, 8), schedules=("gpipe", "1f1b"), steps: int = 4,
                  micro_batch_size: int = 2, preset: str = "small", seq_len: int = 128, seed: int = 0) -> dict:
     """Step timelines for every (schedule, m): the micro-batch size is fixed, so the global batch is m of them.

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from course_lib.data_parallel.torch_ddp import wrap_ddp
+from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.runtime.env import get_dist_info
 from course_lib.testing import flat_parameters, seeded_gpt
 
@@ -27,7 +27,7 @@ def amp_ddp_overflow(steps: int = 8, overflow_rank: int = 1, overflow_step: int 
     info = get_dist_info()
     rank, device = info.rank, info.device
     model = seeded_gpt(seed, "tiny", block_size=seq_len).to(device)
-    ddp = wrap_ddp(model, device)
+    ddp = apply_ddp(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
     generator = torch.Generator().manual_seed(seed + 1 + rank)

@@ -1,4 +1,5 @@
-"""Ranks and how they start: the rank environment, the launcher, spawnable notebook functions, collectives, cluster variables, demos.
+"""Ranks and how they start: the rank environment, the launcher, spawnable notebook functions,
+collectives, cluster variables, demos.
 
     from course_lib.runtime import get_dist_info, spawnable
 """

@@ -263,6 +263,23 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
         del store
 
 
+def run_each(calls):
+    """Worker: several workers in turn on the same ranks, for one start-up (starting ranks and importing torch
+    take seconds; a check often takes less). calls: {name: (worker, kwargs)} -> {name: result}, or a list of
+    (worker, kwargs) -> the list of results. Every rank waits at a barrier after each worker.
+
+        ranks = launch(run_each, 2, args=({"naive": (data_parallel_run, dict(strategy="naive")),
+                                           "bucketed": (data_parallel_run, dict(strategy="bucketed"))},))
+    """
+    def run(worker, kwargs):
+        result = worker(**kwargs)
+        dist.barrier()
+        return result
+    if isinstance(calls, dict):
+        return {name: run(worker, kwargs) for name, (worker, kwargs) in calls.items()}
+    return [run(worker, kwargs) for worker, kwargs in calls]
+
+
 def _supervise(procs, conns, log_dir, timeout_s) -> list:
     world_size = len(procs)
     results, errors, deaths = {}, {}, {}

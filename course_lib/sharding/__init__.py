@@ -1,6 +1,6 @@
 """Sharded data parallelism: ZeRO stages 1-3 from scratch, FSDP2, and the model-state bytes each rank holds.
 
-    from course_lib.sharding import apply_zero, shard_model
+    from course_lib.sharding import apply_zero, apply_fsdp
 """
 
 from course_lib import lazy_exports
@@ -8,8 +8,8 @@ from course_lib.sharding.zero import ZeroOptimizer
 from course_lib.sharding.zero3 import Zero3Optimizer
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "fsdp": ("Strategy", "STRATEGIES", "PRECISION_POLICIES", "check_strategy", "mesh_shape", "build_mesh",
-             "mixed_precision_policy", "precision_of", "shard_model", "shard_for_training", "DEEPSPEED_STAGES",
+    "fsdp": ("Strategy", "SHARDING_STRATEGIES", "PRECISION_POLICIES", "check_strategy", "fsdp_mesh_shape", "build_mesh",
+             "mixed_precision_policy", "precision_of", "apply_fsdp", "DEEPSPEED_STAGES",
              "deepspeed_equivalent", "shard_rows", "expected_fsdp_model_states", "local_shapes"),
     "memory": ("KINDS", "SHARDED_FROM_STAGE", "STEP_COUNTER_BYTES", "local_tensor", "live_bytes",
                "measure_model_states", "expected_model_states"),

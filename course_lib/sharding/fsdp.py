@@ -2,10 +2,10 @@
 
 Every rank keeps 1/N of each parameter, of its gradient and of the optimizer states (ZeRO stage 3). Before a
 block runs, its parameters are all-gathered; after its backward, its gradients are reduce-scattered, so each
-rank receives the average of its own shard only. The model code does not change: `shard_model` wraps it.
+rank receives the average of its own shard only. The model code does not change: `apply_fsdp` wraps it.
 
-    from course_lib.sharding.fsdp import shard_model, mixed_precision_policy
-    model = shard_model(GPT(config), strategy="FULL_SHARD", mp_policy=mixed_precision_policy("bf16"))
+    from course_lib.sharding.fsdp import apply_fsdp, mixed_precision_policy
+    model = apply_fsdp(GPT(config), strategy="FULL_SHARD", mp_policy=mixed_precision_policy("bf16"))
     optimizer = configure_optimizer(model, lr)      # built AFTER sharding: it must see the DTensor shards
 
     torchrun --nproc_per_node=2 -m course_lib.train --strategy fsdp --model_size medium --max_steps 50
@@ -53,7 +53,7 @@ class Strategy:
     what: str
 
 
-STRATEGIES = {
+SHARDING_STRATEGIES = {
     # name:          ZeRO  reshard  mesh
     "FULL_SHARD": Strategy(3, True, "shard", "parameters, gradients and optimizer states sharded over all ranks; "
                            "parameters gathered for forward, freed, gathered again for backward"),
@@ -81,12 +81,12 @@ PRECISION_POLICIES = {
 
 
 def check_strategy(strategy: str) -> Strategy:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown FSDP sharding strategy {strategy!r}; choose one of {list(STRATEGIES)}")
-    return STRATEGIES[strategy]
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"unknown FSDP sharding strategy {strategy!r}; choose one of {list(SHARDING_STRATEGIES)}")
+    return SHARDING_STRATEGIES[strategy]
 
 
-def mesh_shape(strategy: str, world_size: int, ranks_per_node: int | None = None) -> tuple[int, ...]:
+def fsdp_mesh_shape(strategy: str, world_size: int, ranks_per_node: int | None = None) -> tuple[int, ...]:
     """(world_size,) for a 1-D shard mesh; (replicas, shard group size) for a 2-D one.
 
     ranks_per_node (HYBRID_SHARD's shard group; default LOCAL_WORLD_SIZE, as torchrun sets it) must divide
@@ -108,7 +108,7 @@ def mesh_shape(strategy: str, world_size: int, ranks_per_node: int | None = None
 def build_mesh(strategy: str = "FULL_SHARD", *, world_size: int | None = None, ranks_per_node: int | None = None,
                device_type: str = "cpu") -> DeviceMesh:
     """The DeviceMesh a strategy shards over (needs an initialised process group)."""
-    shape = mesh_shape(strategy, world_size or dist.get_world_size(), ranks_per_node)
+    shape = fsdp_mesh_shape(strategy, world_size or dist.get_world_size(), ranks_per_node)
     names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
@@ -132,7 +132,7 @@ def precision_of(dtype: torch.dtype | None) -> str:
     return {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
-def shard_model(model: nn.Module, *, mesh: DeviceMesh | None = None, strategy: str = "FULL_SHARD",
+def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh | None = None, strategy: str = "FULL_SHARD",
                 mp_policy: MixedPrecisionPolicy | None = None, offload: bool = False,
                 ranks_per_node: int | None = None) -> nn.Module:
     """fully_shard every transformer Block, then the root; returns `model` (now also an FSDPModule).
@@ -159,12 +159,6 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh | None = None, strategy: s
     return model
 
 
-def shard_for_training(model: nn.Module, sharding: str, amp_dtype: torch.dtype | None):
-    """`python -m course_lib.train --strategy fsdp`: shard_model with the policy of the precision the run asked
-    for (autocast dtype None = fp32). Returns (model, None): FSDP casts for compute, so no autocast on top."""
-    return shard_model(model, strategy=sharding, mp_policy=mixed_precision_policy(precision_of(amp_dtype))), None
-
-
 # ------------------------------------------------------------------------------------------ DeepSpeed
 DEEPSPEED_STAGES = {0: "NO_SHARD", 1: None, 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
 """DeepSpeed zero_optimization.stage -> FSDP strategy. Stage 1 (optimizer states only) has no FSDP strategy:
@@ -187,7 +181,7 @@ def deepspeed_equivalent(ds_config: dict) -> dict:
     strategy = DEEPSPEED_STAGES[stage]
     return {"zero_stage": stage, "strategy": strategy, "precision": precision, "offload": offload,
             "torch": ("DDP + ZeroRedundancyOptimizer" if strategy is None else
-                      f"shard_model(model, strategy={strategy!r}, mp_policy=mixed_precision_policy({precision!r})"
+                      f"apply_fsdp(model, strategy={strategy!r}, mp_policy=mixed_precision_policy({precision!r})"
                       + (", offload=True" if "cpu" in offload.values() else "") + ")"
                       + ("  # no NVMe tier in FSDP" if "nvme" in offload.values() else ""))}
 
@@ -212,7 +206,7 @@ def expected_fsdp_model_states(model: nn.Module, world_size: int, rank: int, *, 
     """
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
-    shard_size = mesh_shape(strategy, world_size, ranks_per_node)[-1]
+    shard_size = fsdp_mesh_shape(strategy, world_size, ranks_per_node)[-1]
     shard_index = rank % shard_size  # mesh (replicas, S) is laid out row-major over the ranks
     params = grads = states = counters = 0
     for param in {id(p): p for p in model.parameters()}.values():  # a tied tensor once
@@ -239,8 +233,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ranks_per_node", type=int, default=4)
     args = parser.parse_args(argv)
     print(f"{'FSDP1 name':<15}{'ZeRO':>5}  {'reshard_after_forward':<23}{'mesh (N=' + str(args.world_size) + ')':<13}")
-    for name, s in STRATEGIES.items():
-        shape = mesh_shape(name, args.world_size, args.ranks_per_node)
+    for name, s in SHARDING_STRATEGIES.items():
+        shape = fsdp_mesh_shape(name, args.world_size, args.ranks_per_node)
         print(f"{name:<15}{s.zero_stage:>5}  {str(s.reshard_after_forward):<23}{str(shape):<13}{s.what}")
     for precision in PRECISION_POLICIES:
         policy = mixed_precision_policy(precision)

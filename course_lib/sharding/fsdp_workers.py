@@ -7,7 +7,7 @@ the `*_one_process` functions compute, in one process, what the ranks must match
     from course_lib.sharding import fsdp_workers as fw
     ranks = launch(fw.train_fsdp, 2, kwargs=dict(strategy="FULL_SHARD", steps=3), threads_per_rank=1)
     reference = fw.train_one_process(world_size=2, steps=3)       # same global batches, one process
-    ranks = launch(fw.run_all, 2, args=([(fw.train_fsdp, {}), (fw.fsdp_memory, {})],))   # one start-up
+    ranks = launch(run_each, 2, args=([(fw.train_fsdp, {}), (fw.fsdp_memory, {})],))   # one start-up
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from course_lib.sharding.fsdp import (
     expected_fsdp_model_states,
     local_shapes,
     mixed_precision_policy,
-    shard_model,
+    apply_fsdp,
 )
 from course_lib.sharding.memory import live_bytes, measure_model_states
 from course_lib.tensor_parallel.dtensor import full_copy
@@ -42,11 +42,6 @@ from course_lib.testing import global_batches, local_rows, seeded_gpt, train_who
 
 PADDED = dict(vocab_size=251, n_layer=2, n_head=3, n_embd=36, ffn_hidden=50, block_size=32)
 """A model whose dims 0 (251, 36, 50) do not divide by 2 or 4: FSDP must pad them."""
-
-
-def run_all(calls: list[tuple]) -> list:
-    """Worker: [fn(**kwargs) for fn, kwargs in calls] — several checks in one launch (one start-up)."""
-    return [fn(**kwargs) for fn, kwargs in calls]
 
 
 # ------------------------------------------------------------------ training parity
@@ -64,13 +59,13 @@ def train_fsdp(strategy: str = "FULL_SHARD", *, steps: int = 3, rows_per_rank: i
                precision: str = "fp32", ranks_per_node: int | None = None, apply_fn=None) -> dict:
     """Worker: `steps` optimizer steps of a sharded model, each rank on its own rows of the same global batches.
 
-    apply_fn(model, mesh) replaces shard_model (to check a wrapping function). Returns the full parameters
+    apply_fn(model, mesh) replaces apply_fsdp (to check a wrapping function). Returns the full parameters
     after training, this rank's losses and the shapes of its shards.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = seeded_gpt(seed, preset)
     if apply_fn is None:
-        shard_model(model, strategy=strategy, mp_policy=mixed_precision_policy(precision),
+        apply_fsdp(model, strategy=strategy, mp_policy=mixed_precision_policy(precision),
                     ranks_per_node=ranks_per_node)
     else:
         apply_fn(model, build_mesh(strategy))
@@ -107,7 +102,7 @@ def fsdp_memory(strategy: str = "FULL_SHARD", *, config: dict | None = None, pre
     if strategy == "DDP":  # torch DDP, for comparison
         train_model = DistributedDataParallel(model)
     else:
-        train_model = shard_model(model, strategy=strategy, ranks_per_node=ranks_per_node)
+        train_model = apply_fsdp(model, strategy=strategy, ranks_per_node=ranks_per_node)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, model.config.vocab_size, (rows_per_rank, seq_len), generator=torch.Generator().manual_seed(rank))
     _, loss = train_model(idx, targets=idx)
@@ -162,10 +157,10 @@ def fsdp_checkpoints(directory: str, *, strategy: str = "FULL_SHARD", steps: int
     mine = [local_rows(b, rank, world_size) for b in batches]
 
     def fresh():
-        model = shard_model(seeded_gpt(seed + 7, preset), strategy=strategy)  # other weights: loading must matter
+        model = apply_fsdp(seeded_gpt(seed + 7, preset), strategy=strategy)  # other weights: loading must matter
         return model, configure_optimizer(model, lr)
 
-    model = shard_model(seeded_gpt(seed, preset), strategy=strategy)
+    model = apply_fsdp(seeded_gpt(seed, preset), strategy=strategy)
     optimizer = configure_optimizer(model, lr)
     for rows in mine[:steps]:
         train_step(model, [rows], optimizer, grad_clip=1.0)
@@ -203,7 +198,7 @@ def check_full_checkpoint(save_fn, directory: str, *, strategy: str = "FULL_SHAR
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory = Path(directory)
-    model = shard_model(seeded_gpt(seed, preset), strategy=strategy)
+    model = apply_fsdp(seeded_gpt(seed, preset), strategy=strategy)
     optimizer = configure_optimizer(model, 1e-2)
     for batch in global_batches(steps, rows_per_rank * world_size, seq_len, seed):
         train_step(model, [local_rows(batch, rank, world_size)], optimizer, grad_clip=1.0)

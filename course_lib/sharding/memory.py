@@ -29,7 +29,7 @@ import argparse
 import torch
 
 from course_lib.core.checks import positive_ints
-from course_lib.memory.accounting import OPTIMIZER_STATES, PRECISIONS, format_bytes
+from course_lib.memory.accounting import OPTIMIZER_STATES, PRECISION_BYTES, format_bytes
 from course_lib.memory.capacity import zero_memory_per_gpu
 from course_lib.runtime.collectives import shard_numel
 from course_lib.sharding.zero import STAGES
@@ -102,13 +102,13 @@ def expected_model_states(n_params: int, world_size: int, stage: int, *, precisi
     positive_ints(n_params=n_params, world_size=world_size)
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
     if not isinstance(n_step_counters, int) or n_step_counters < 0:
         raise ValueError(f"n_step_counters must be a non-negative integer, got {n_step_counters!r}")
-    param_bytes, grad_bytes, master_bytes = PRECISIONS[precision]
+    param_bytes, grad_bytes, master_bytes = PRECISION_BYTES[precision]
     k = master_bytes + 4 * OPTIMIZER_STATES[optimizer]  # fp32 master + fp32 optimizer states per element
     sizes = dict(k=k, param_bytes=param_bytes, grad_bytes=grad_bytes)
     whole = zero_memory_per_gpu(n_params, 1, stage, **sizes)  # one rank: nothing is divided
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, required=True, help="number of parameters Psi")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
-    parser.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
+    parser.add_argument("--precision", default="fp32", choices=sorted(PRECISION_BYTES))
     args = parser.parse_args(argv)
     S = shard_numel(args.params, args.world_size)
     print(f"Psi = {args.params:,}, N = {args.world_size}: S = ceil(Psi / N) = {S:,} elements per rank, "

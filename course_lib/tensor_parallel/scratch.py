@@ -178,8 +178,9 @@ def _enter_region_hook(group, stats):
     return hook
 
 
-def apply_tensor_parallel(model: GPT, group=None, broadcast: bool = True) -> CommStats:
-    """Shard every block of `model` in place over the ranks of `group`; return the CommStats f and g fill.
+def apply_tensor_parallel(model: GPT, group=None, broadcast: bool = True) -> GPT:
+    """Shard every block of `model` in place over the ranks of `group`; returns `model`, whose `tp_stats` (a
+    CommStats) counts the all-reduces f and g issue.
 
     Attention: q/k/v column-parallel and o row-parallel, so rank r runs heads [r*n_head/t, (r+1)*n_head/t).
     CausalSelfAttention reads its head count off the projection output (`view(B, T, -1, head_dim)`), so the
@@ -213,7 +214,7 @@ def apply_tensor_parallel(model: GPT, group=None, broadcast: bool = True) -> Com
         attn.register_forward_pre_hook(_enter_region_hook(group, stats))
         mlp.register_forward_pre_hook(_enter_region_hook(group, stats))
     model.tp_stats = stats
-    return stats
+    return model
 
 
 def _parallel_layers(model: nn.Module):

@@ -142,7 +142,7 @@ def scratch_tp_run(steps: int = 3, preset: str = "tiny", batch: int = 4, seq_len
     info = get_dist_info()
     group = tensor_parallel_group(tp)
     model = seeded_gpt(seed, preset).to(info.device)  # the same full model on every rank; each keeps its slice
-    stats = apply_tensor_parallel(model, group)
+    stats = apply_tensor_parallel(model, group).tp_stats
     config = model.config
     batches = global_batches(steps, batch, seq_len, seed)
     activations = saved_activation_bytes(model, batches[0].to(info.device))

@@ -11,7 +11,7 @@ import torch
 from conftest import section_stdout
 
 from course_lib.bench.parallel import PARALLEL_RANKS, WORKLOAD, expected_payload_bytes, parallel_rows, ring_wire_bytes
-from course_lib.bench.parallel_workers import STRATEGIES, check_parallel_workload, parallel_bench
+from course_lib.bench.parallel_workers import PARALLEL_STRATEGIES, check_parallel_workload, parallel_bench
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.pipeline_parallel.schedules import pipeline_comm_bytes
 from course_lib.tensor_parallel.scratch import tp_allreduce_bytes_per_layer
@@ -32,7 +32,7 @@ def quick_run(bench_quick):
 def test_every_strategy_at_every_world_size_sends_what_its_formula_says(quick_run):
     stdout, rows = quick_run
     assert sorted((r["strategy"], r["world_size"]) for r in rows) == sorted(
-        (s, n) for s in STRATEGIES for n in PARALLEL_RANKS)
+        (s, n) for s in PARALLEL_STRATEGIES for n in PARALLEL_RANKS)
     g, T, m, h = QUICK["global_batch"], QUICK["seq_len"], QUICK["micro_batches"], QUICK_CONFIG.n_embd
     n_params = GPT(QUICK_CONFIG).num_params()
     for r in rows:

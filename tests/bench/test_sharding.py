@@ -11,7 +11,7 @@ import torch
 from conftest import section_stdout
 
 from course_lib.bench.sharding import SHARDING_RANKS, WORKLOAD, sharding_rows
-from course_lib.bench.sharding_workers import STRATEGIES, PeakProbe, sharding_bench
+from course_lib.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, PeakProbe, sharding_bench
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.sharding.memory import live_bytes
 
@@ -32,7 +32,7 @@ def _by_strategy(rows, world_size):
 def test_every_strategy_at_every_world_size_matches_its_formula(quick_run):
     stdout, rows = quick_run
     assert sorted((r["strategy"], r["world_size"]) for r in rows) == sorted(
-        (s, n) for s in STRATEGIES for n in SHARDING_RANKS)
+        (s, n) for s in DATA_PARALLEL_STRATEGIES for n in SHARDING_RANKS)
     for r in rows:
         assert r["agrees"], (r["strategy"], r["world_size"])
         assert r["total_bytes"] == r["expected_total_bytes"] == r["params_bytes"] + r["grads_bytes"] + r[

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from course_lib.data_parallel.workers import STRATEGIES, all_strategies_run, ring_allreduce_check
-from course_lib.runtime.launch import launch
+from course_lib.data_parallel.workers import GRADIENT_SYNCS, data_parallel_run, ring_allreduce_check
+from course_lib.runtime.launch import launch, run_each
 from course_lib.testing import single_process_run
 
 pytestmark = pytest.mark.distributed
@@ -18,8 +18,9 @@ def reference():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_data_parallel_equals_single_process(tmp_path, reference, world_size):
-    ranks = launch(all_strategies_run, world_size, kwargs=dict(steps=STEPS), log_dir=tmp_path, echo=False)
-    for strategy in STRATEGIES:
+    syncs = {sync: (data_parallel_run, dict(strategy=sync, steps=STEPS)) for sync in GRADIENT_SYNCS}
+    ranks = launch(run_each, world_size, args=(syncs,), log_dir=tmp_path, echo=False)
+    for strategy in GRADIENT_SYNCS:
         for rank_results in ranks:
             result = rank_results[strategy]
             where = f"{strategy}, rank {result['rank']} of {world_size}"

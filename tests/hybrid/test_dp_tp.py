@@ -7,9 +7,9 @@ import copy
 import pytest
 
 from course_lib.core.model import GPTConfig
-from course_lib.hybrid.dp_tp import DATA_PARALLEL, check_parity, dp_tp_run, dp_tp_runs
+from course_lib.hybrid.dp_tp import DATA_PARALLEL, check_parity, dp_tp_run
 from course_lib.hybrid.layout import rank_groups
-from course_lib.runtime.launch import launch
+from course_lib.runtime.launch import launch, run_each
 from course_lib.testing import single_process_run
 
 STEPS, PRESET = 3, "tiny"
@@ -17,8 +17,9 @@ STEPS, PRESET = 3, "tiny"
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return launch(dp_tp_runs, 4, kwargs=dict(dp=2, tp=2, steps=STEPS, preset=PRESET),
-                  log_dir=tmp_path_factory.mktemp("logs"), echo=False, threads_per_rank=1)
+    runs = {variant: (dp_tp_run, dict(data_parallel=variant, dp=2, tp=2, steps=STEPS, preset=PRESET))
+            for variant in DATA_PARALLEL}
+    return launch(run_each, 4, args=(runs,), log_dir=tmp_path_factory.mktemp("logs"), echo=False, threads_per_rank=1)
 
 
 @pytest.fixture(scope="module")

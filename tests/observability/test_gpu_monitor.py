@@ -14,7 +14,7 @@ from course_lib.observability.gpu_monitor import (
     MIB,
     QUERY_FIELDS,
     GPUSnapshot,
-    format_table,
+    format_snapshot,
     gpu_snapshot,
     main,
     parse_nvidia_smi_csv,
@@ -72,7 +72,7 @@ def test_not_available_fields_become_none():
     assert gpu.utilization_gpu_pct is None and gpu.utilization_memory_pct is None
     assert gpu.power_w is None and gpu.power_limit_w is None
     assert gpu.temperature_c == 31.0
-    assert "- / - W" in format_table(GPUSnapshot(gpus=[gpu], source="nvidia-smi"))
+    assert "- / - W" in format_snapshot(GPUSnapshot(gpus=[gpu], source="nvidia-smi"))
 
 
 @pytest.mark.parametrize("text,match", [
@@ -103,7 +103,7 @@ def test_snapshot_from_nvidia_smi(tmp_path):
     assert [g.memory_used_bytes for g in snapshot.gpus] == [71243 * MIB, 71241 * MIB]
     args = (tmp_path / "args.txt").read_text().split()
     assert args == [f"--query-gpu={','.join(QUERY_FIELDS)}", "--format=csv"]
-    table = format_table(snapshot)
+    table = format_snapshot(snapshot)
     assert "NVIDIA H100 80GB HBM3" in table and "71243 / 81559 MiB" in table and "612 / 700 W" in table
 
 
@@ -123,7 +123,7 @@ def test_no_gpu_gives_an_empty_snapshot_and_the_reasons(monkeypatch, capsys):
     snapshot = gpu_snapshot(nvidia_smi=missing)
     assert not snapshot and snapshot.source is None
     assert snapshot.reason == f"pynvml (pip package nvidia-ml-py) is not installed; {missing} is not on PATH"
-    assert format_table(snapshot) == f"no NVIDIA GPU found ({snapshot.reason})"
+    assert format_snapshot(snapshot) == f"no NVIDIA GPU found ({snapshot.reason})"
     assert main(["--nvidia-smi", missing]) == 1
     assert capsys.readouterr().out.strip() == f"no NVIDIA GPU found ({snapshot.reason})"
     assert main(["--nvidia-smi", missing, "--json"]) == 1

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from course_lib.observability.timing import Timing, machine_info, machine_line, setup_threads, time_alternating, time_fn
+from course_lib.observability.timing import (machine_info, machine_line, setup_threads, time_alternating, time_fn,
+                                             Timing)
 
 
 class FakeClock:

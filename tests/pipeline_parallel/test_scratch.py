@@ -17,8 +17,8 @@ from course_lib.pipeline_parallel.schedules import (
     with_idle,
 )
 from course_lib.pipeline_parallel.scratch import GPTStage, PipelineRunner, split_layers
-from course_lib.pipeline_parallel.workers import pipeline_checks, reference_run
-from course_lib.runtime.launch import launch
+from course_lib.pipeline_parallel.workers import pipeline_train, reference_run
+from course_lib.runtime.launch import launch, run_each
 
 STEPS = 3
 
@@ -144,8 +144,9 @@ def check_pipeline_run(ranks, reference, micro_batches, global_batch, seq_len, c
 def test_gpipe_and_1f1b_equal_one_process(tmp_path, n_stages, micro_batches, overrides, optimizer, lr):
     settings = dict(steps=STEPS, preset="tiny", config_overrides=overrides, global_batch=8, seq_len=32,
                     optimizer=optimizer, lr=lr)
-    ranks = launch(pipeline_checks, n_stages, kwargs=dict(micro_batches=micro_batches, **settings),
-                   log_dir=tmp_path, echo=False, threads_per_rank=1)
+    runs = {f"scratch {schedule}": (pipeline_train, dict(schedule=schedule, micro_batches=micro_batches, **settings))
+            for schedule in ("gpipe", "1f1b")}
+    ranks = launch(run_each, n_stages, args=(runs,), log_dir=tmp_path, echo=False, threads_per_rank=1)
     reference = reference_run(**settings)
     check_pipeline_run(ranks, reference, micro_batches, settings["global_batch"], settings["seq_len"],
                        GPTConfig.from_preset("tiny", **overrides))

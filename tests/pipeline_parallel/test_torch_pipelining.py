@@ -10,8 +10,8 @@ from pipeline_parallel.test_scratch import assert_matches_reference  # tests/ is
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.pipeline_parallel.scratch import GPTStage
 from course_lib.pipeline_parallel.torch_pipelining import build_torch_pipeline
-from course_lib.pipeline_parallel.workers import pipeline_checks, reference_run
-from course_lib.runtime.launch import launch
+from course_lib.pipeline_parallel.workers import pipeline_train, reference_run
+from course_lib.runtime.launch import launch, run_each
 
 RUNS = (("torch", "gpipe"), ("torch", "1f1b"), ("scratch", "1f1b"))
 
@@ -19,8 +19,9 @@ RUNS = (("torch", "gpipe"), ("torch", "1f1b"), ("scratch", "1f1b"))
 @pytest.mark.distributed
 def test_torch_pipelining_equals_one_process_and_scratch(tmp_path):
     settings = dict(steps=3, preset="tiny", global_batch=8, seq_len=32)
-    ranks = launch(pipeline_checks, 2, kwargs=dict(runs=RUNS, micro_batches=4, **settings), log_dir=tmp_path,
-                   echo=False, threads_per_rank=1)
+    runs = {f"{impl} {schedule}": (pipeline_train, dict(schedule=schedule, implementation=impl, micro_batches=4,
+                                                         **settings)) for impl, schedule in RUNS}
+    ranks = launch(run_each, 2, args=(runs,), log_dir=tmp_path, echo=False, threads_per_rank=1)
     reference = reference_run(**settings)
     for impl, schedule in RUNS:
         assert_matches_reference(ranks, reference, f"{impl} {schedule}")

@@ -22,15 +22,15 @@ from torch.distributed.tensor import DTensor
 
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.evaluation import load_model
-from course_lib.runtime.launch import launch
+from course_lib.runtime.launch import launch, run_each
 from course_lib.runtime.spawn import single_process_group
 from course_lib.sharding import fsdp_workers as fw
 from course_lib.sharding.fsdp import (
-    STRATEGIES,
+    SHARDING_STRATEGIES,
     deepspeed_equivalent,
-    mesh_shape,
+    fsdp_mesh_shape,
     mixed_precision_policy,
-    shard_model,
+    apply_fsdp,
     shard_rows,
 )
 from course_lib.train import TrainConfig
@@ -56,7 +56,7 @@ FOUR_RANK_CALLS = [
 
 def run_checks(calls, world_size, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"logs{world_size}")
-    ranks = launch(fw.run_all, world_size, args=(calls,), log_dir=logs, threads_per_rank=1, timeout_s=120)
+    ranks = launch(run_each, world_size, args=(calls,), log_dir=logs, threads_per_rank=1, timeout_s=120)
     return {(fn.__name__, kwargs.get("strategy")): [rank[i] for rank in ranks] for i, (fn, kwargs) in enumerate(calls)}
 
 
@@ -72,19 +72,19 @@ def four_ranks(tmp_path_factory):
 
 # ------------------------------------------------------------------ no ranks needed
 def test_strategy_table_maps_fsdp1_names_to_zero_stages_and_fsdp2_settings():
-    assert {name: s.zero_stage for name, s in STRATEGIES.items()} == \
+    assert {name: s.zero_stage for name, s in SHARDING_STRATEGIES.items()} == \
         {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
-    assert STRATEGIES["FULL_SHARD"].reshard_after_forward and not STRATEGIES["SHARD_GRAD_OP"].reshard_after_forward
-    assert [mesh_shape(name, 8, ranks_per_node=4) for name in STRATEGIES] == [(8,), (8,), (8, 1), (2, 4)]
+    assert SHARDING_STRATEGIES["FULL_SHARD"].reshard_after_forward and not SHARDING_STRATEGIES["SHARD_GRAD_OP"].reshard_after_forward
+    assert [fsdp_mesh_shape(name, 8, ranks_per_node=4) for name in SHARDING_STRATEGIES] == [(8,), (8,), (8, 1), (2, 4)]
 
 
 def test_bad_names_get_clear_errors():
     with pytest.raises(ValueError, match="unknown FSDP sharding strategy 'ZERO3'.*FULL_SHARD"):
-        shard_model(GPT(GPTConfig.from_preset("tiny")), strategy="ZERO3")
+        apply_fsdp(GPT(GPTConfig.from_preset("tiny")), strategy="ZERO3")
     with pytest.raises(ValueError, match="unknown precision 'int8'.*bf16"):
         mixed_precision_policy("int8")
     with pytest.raises(ValueError, match=r"ranks_per_node \(3\) must divide world_size \(8\)"):
-        mesh_shape("HYBRID_SHARD", 8, ranks_per_node=3)
+        fsdp_mesh_shape("HYBRID_SHARD", 8, ranks_per_node=3)
     with pytest.raises(ValueError, match="TrainConfig.sharding must be one of"):
         TrainConfig(strategy="fsdp", sharding="full")
 
@@ -113,7 +113,7 @@ def test_deepspeed_configs_map_to_fsdp_strategies():
 def test_cpu_offload_and_bf16_policy_train_on_a_one_rank_mesh():
     with single_process_group():
         torch.manual_seed(0)
-        model = shard_model(GPT(GPTConfig.from_preset("tiny")), mesh=init_device_mesh("cpu", (1,)), offload=True,
+        model = apply_fsdp(GPT(GPTConfig.from_preset("tiny")), mesh=init_device_mesh("cpu", (1,)), offload=True,
                             mp_policy=mixed_precision_policy("bf16"))
         assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in model.parameters())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

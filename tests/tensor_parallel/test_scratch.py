@@ -112,7 +112,7 @@ def test_apply_on_one_rank_is_the_same_model_and_rejects_misuse():
     tokens = torch.randint(0, 256, (2, 16))
     expected, _ = model(tokens)
     with single_process_group():
-        stats = apply_tensor_parallel(model)
+        stats = apply_tensor_parallel(model).tp_stats
         torch.testing.assert_close(model(tokens)[0], expected)
         assert stats.calls["forward"] == 2 * model.config.n_layer
         with pytest.raises(RuntimeError, match="already tensor-parallel"):

@@ -33,6 +33,7 @@ if __name__ == "__main__":
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from course_lib.core.checks import one_of, positive_int
 from course_lib.core.model import PRESETS, GPTConfig
 from course_lib.memory.accounting import GPU_80GB, OPTIMIZER_STATES, PRECISION_BYTES, count_parameters, format_bytes
 from course_lib.memory.activations import head_terms, layer_terms
@@ -107,13 +108,6 @@ def resolve_model(model) -> tuple[str, GPTConfig | None, int]:
                      f"parameter count, got {model!r}")
 
 
-def _check(name: str, value, allowed=None, minimum: int | None = None) -> None:
-    if allowed is not None and value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-    if minimum is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def activation_bytes(config: GPTConfig, micro_batch: int, seq_len: int, *, precision: str = "mixed",
                      activation_checkpointing: bool = False) -> int:
     """Peak bytes of saved activations on one GPU (see the module docstring)."""
@@ -137,15 +131,16 @@ def memory_per_gpu(model="llama-7b-like", *, world_size: int = 1, zero_stage: in
     parameter count (then activations are not estimated). seq_len defaults to the config's block_size.
     """
     name, config, n_params = resolve_model(model)
-    _check("world_size", world_size, minimum=1)
-    _check("zero_stage", zero_stage, allowed=ZERO_STAGES)
-    _check("precision", precision, allowed=sorted(PRECISION_BYTES))
-    _check("optimizer", optimizer, allowed=sorted(OPTIMIZER_STATES))
-    _check("activation_checkpointing", activation_checkpointing, allowed=(False, True))
-    _check("micro_batch", micro_batch, minimum=1)
-    _check("attn_impl", attn_impl, allowed=("sdpa", "explicit"))
+    positive_int("world_size", world_size)
+    one_of("zero_stage", zero_stage, ZERO_STAGES)
+    one_of("precision", precision, sorted(PRECISION_BYTES))
+    one_of("optimizer", optimizer, sorted(OPTIMIZER_STATES))
+    one_of("activation_checkpointing", activation_checkpointing, (False, True))
+    positive_int("micro_batch", micro_batch)
+    one_of("attn_impl", attn_impl, ("sdpa", "explicit"))
     if seq_len is not None:
-        _check("seq_len", seq_len, minimum=2)
+        if positive_int("seq_len", seq_len) < 2:
+            raise ValueError(f"seq_len must be at least 2 (one position predicts the next), got {seq_len}")
     weight_b, grad_b, master_b = PRECISION_BYTES[precision]
     k = master_b + 4 * OPTIMIZER_STATES[optimizer]  # optimizer-side bytes per parameter (ZeRO's K)
     states = zero_memory_per_gpu(n_params, world_size, zero_stage, k=k, param_bytes=weight_b, grad_bytes=grad_b)

@@ -23,17 +23,11 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from course_lib.core.checks import positive_number
 from course_lib.memory.accounting import format_bytes
 
 ADAM_STATE_BYTES = 12  # K of the ZeRO paper: fp32 master weights 4 + momentum 4 + variance 4
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-def _positive(name: str, value, integer: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    if integer and int(value) != value:
-        raise ValueError(f"{name} must be a whole number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -56,8 +50,8 @@ def zero_memory_per_gpu(n_params: float, n_gpus: int, stage: int, *, k: int = AD
 
     Activations, buffers and the allocator's cache come on top; they are not sharded by ZeRO.
     """
-    _positive("n_params", n_params)
-    _positive("n_gpus", n_gpus, integer=True)
+    positive_number("n_params", n_params)
+    positive_number("n_gpus", n_gpus, whole=True)
     if stage not in ZERO_STAGES:
         raise ValueError(f"stage must be one of {ZERO_STAGES}, got {stage!r}")
     p, g, o = param_bytes * n_params, grad_bytes * n_params, k * n_params
@@ -81,8 +75,8 @@ def data_parallel_traffic(n_params: float, n_gpus: int, *, grad_bytes: int = 2, 
 
     strategy 'ddp' (also ZeRO-1/2: reduce-scatter + all-gather moves the same bytes) or 'zero3' (FSDP full shard).
     """
-    _positive("n_params", n_params)
-    _positive("n_gpus", n_gpus, integer=True)
+    positive_number("n_params", n_params)
+    positive_number("n_gpus", n_gpus, whole=True)
     passes = {"ddp": 2, "zero3": 3}
     if strategy not in passes:
         raise ValueError(f"strategy must be one of {sorted(passes)}, got {strategy!r}")
@@ -91,14 +85,14 @@ def data_parallel_traffic(n_params: float, n_gpus: int, *, grad_bytes: int = 2, 
 
 def comm_seconds(bytes_per_rank: float, busbw_bytes_per_s: float) -> float:
     """Time to move bytes_per_rank at a bus bandwidth busbw (nccl-tests' busbw is exactly traffic per rank / time)."""
-    _positive("busbw_bytes_per_s", busbw_bytes_per_s)
+    positive_number("busbw_bytes_per_s", busbw_bytes_per_s)
     return bytes_per_rank / busbw_bytes_per_s
 
 
 def compute_seconds(n_params: float, tokens_per_gpu: float, achieved_flops: float) -> float:
     """Forward + backward time of one step on one GPU: 6 N FLOPs per token at the achieved FLOP/s."""
-    _positive("tokens_per_gpu", tokens_per_gpu)
-    _positive("achieved_flops", achieved_flops)
+    positive_number("tokens_per_gpu", tokens_per_gpu)
+    positive_number("achieved_flops", achieved_flops)
     return 6 * n_params * tokens_per_gpu / achieved_flops
 
 
@@ -115,20 +109,20 @@ def break_even_tokens_per_gpu(n_gpus: int, achieved_flops: float, busbw_bytes_pe
 
 def checkpoint_bytes(n_params: float, *, k: int = ADAM_STATE_BYTES, param_bytes: int = 2) -> float:
     """Bytes of a full training checkpoint: 16-bit weights + the K bytes of optimizer state per parameter."""
-    _positive("n_params", n_params)
+    positive_number("n_params", n_params)
     return (param_bytes + k) * n_params
 
 
 def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
     """Young's (1974) checkpoint interval sqrt(2 delta M): delta = time to write one checkpoint, M = job MTBF."""
-    _positive("checkpoint_s", checkpoint_s)
-    _positive("mtbf_s", mtbf_s)
+    positive_number("checkpoint_s", checkpoint_s)
+    positive_number("mtbf_s", mtbf_s)
     return math.sqrt(2 * checkpoint_s * mtbf_s)
 
 
 def expected_waste(interval_s: float, checkpoint_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
     """Fraction of wall time lost (first order): writing delta/tau, recomputing tau/(2M) and restarting R/M."""
-    _positive("interval_s", interval_s)
+    positive_number("interval_s", interval_s)
     return checkpoint_s / interval_s + interval_s / (2 * mtbf_s) + restart_s / mtbf_s
 
 

@@ -1,5 +1,4 @@
-"""Rank workers for ranked checkpoints (Session C): save on N ranks, load on M."""
-
+"""Rank workers for ranked checkpoints: save on N ranks, load on M (resharded), refuse a mismatch."""
 
 from __future__ import annotations
 

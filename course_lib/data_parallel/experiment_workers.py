@@ -13,7 +13,6 @@ The training loop with a DistributedSampler, accumulation and rank metrics is co
 Timing inside a job: a step is done when its slowest rank is done, so step times are all-reduced with MAX.
 """
 
-
 from __future__ import annotations
 
 import logging

@@ -3,7 +3,6 @@
     launch(amp_ddp_overflow, 2)      # every rank skips the same step and backs off the same scale
 """
 
-
 from __future__ import annotations
 
 import logging

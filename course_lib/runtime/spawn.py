@@ -22,7 +22,6 @@ or a function whose source cannot be found is refused at once with an error that
 `single_process_group()` gives one process a one-rank gloo group (enough for DistributedDataParallel).
 """
 
-
 from __future__ import annotations
 
 import atexit

@@ -1,8 +1,16 @@
-"""Small worker functions that notebooks and tests start on several ranks with course_lib.runtime.launch.
+"""Demo workers: what every rank of a job sees and does, started with course_lib.runtime.launch.
 
-They live in a module (not in a notebook cell) because spawned ranks import them by name.
+- `whoami`, `allreduce_demo`, `collectives_demo`: the rank environment and each collective on tiny tensors.
+- `failing_worker`: a rank that raises, exits, is killed or hangs (how the launcher stops the others).
+- `barrier_race`: why a reader waits at a barrier for the rank that writes.
+- `train_logged`: DDP training that logs per rank, aggregates to rank 0 and writes ranked checkpoints.
+
+They live in a module (not in a notebook cell) because spawned ranks import them by name:
+
+    from course_lib import launch
+    from course_lib.runtime.workers import whoami
+    launch(whoami, world_size=4)           # one dict per rank, in rank order
 """
-
 
 from __future__ import annotations
 

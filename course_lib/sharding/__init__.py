@@ -8,7 +8,7 @@ from course_lib.sharding.zero import ZeroOptimizer
 from course_lib.sharding.zero3 import Zero3Optimizer
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "fsdp": ("Strategy", "SHARDING_STRATEGIES", "PRECISION_POLICIES", "check_strategy", "fsdp_mesh_shape", "build_mesh",
+    "fsdp": ("ShardingStrategy", "SHARDING_STRATEGIES", "PRECISION_POLICIES", "check_strategy", "fsdp_mesh_shape", "build_mesh",
              "mixed_precision_policy", "precision_of", "apply_fsdp", "DEEPSPEED_STAGES",
              "deepspeed_equivalent", "shard_rows", "expected_fsdp_model_states", "local_shapes"),
     "memory": ("KINDS", "SHARDED_FROM_STAGE", "STEP_COUNTER_BYTES", "local_tensor", "live_bytes",

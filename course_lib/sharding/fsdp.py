@@ -41,7 +41,7 @@ from course_lib.sharding.memory import STEP_COUNTER_BYTES
 
 
 @dataclass(frozen=True)
-class Strategy:
+class ShardingStrategy:
     """One FSDP1 ShardingStrategy name, as ZeRO stage and FSDP2 settings."""
 
     zero_stage: int
@@ -54,15 +54,15 @@ class Strategy:
 
 
 SHARDING_STRATEGIES = {
-    # name:          ZeRO  reshard  mesh
-    "FULL_SHARD": Strategy(3, True, "shard", "parameters, gradients and optimizer states sharded over all ranks; "
-                           "parameters gathered for forward, freed, gathered again for backward"),
-    "SHARD_GRAD_OP": Strategy(2, False, "shard", "gradients and optimizer states sharded; parameters gathered "
-                              "once per step and kept unsharded from forward to the end of backward"),
-    "NO_SHARD": Strategy(0, False, "replicate", "plain data parallelism (DDP): every rank holds everything, "
-                         "gradients all-reduced"),
-    "HYBRID_SHARD": Strategy(3, True, "hybrid", "FULL_SHARD inside each node, replicas across nodes: "
-                             "parameter traffic stays on the fast intra-node links"),
+    # name: ShardingStrategy(ZeRO stage, reshard after forward, mesh, what is sharded)
+    "FULL_SHARD": ShardingStrategy(3, True, "shard", "parameters, gradients and optimizer states sharded over all "
+                                   "ranks; parameters gathered for forward, freed, gathered again for backward"),
+    "SHARD_GRAD_OP": ShardingStrategy(2, False, "shard", "gradients and optimizer states sharded; parameters "
+                                      "gathered once per step and kept unsharded from forward to the end of backward"),
+    "NO_SHARD": ShardingStrategy(0, False, "replicate", "plain data parallelism (DDP): every rank holds everything, "
+                                 "gradients all-reduced"),
+    "HYBRID_SHARD": ShardingStrategy(3, True, "hybrid", "FULL_SHARD inside each node, replicas across nodes: "
+                                     "parameter traffic stays on the fast intra-node links"),
 }
 """FSDP1's ShardingStrategy names -> ZeRO stage and FSDP2 settings (`python -m course_lib.sharding.fsdp` prints it).
 
@@ -80,7 +80,7 @@ PRECISION_POLICIES = {
 """precision -> (param_dtype: what forward/backward compute in, reduce_dtype: what gradients are averaged in)."""
 
 
-def check_strategy(strategy: str) -> Strategy:
+def check_strategy(strategy: str) -> ShardingStrategy:
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"unknown FSDP sharding strategy {strategy!r}; choose one of {list(SHARDING_STRATEGIES)}")
     return SHARDING_STRATEGIES[strategy]

@@ -6,12 +6,12 @@
 
 Formulas, not measurements (the inputs are printed with every table). For a layout, the busiest GPU holds
 the first pipeline stage: ceil(L / pp) layers with their matrices split over tp, plus the embedding.
-  model states   course_lib.memory.capacity.zero_memory_per_gpu over the dp group (2 + 2 + 12 bytes per parameter)
+  model states   course_lib.memory.formulas.zero_memory_per_gpu over the dp group (2 + 2 + 12 bytes per parameter)
   activations    per layer and micro-batch, 16-bit, sequence parallel (Korthikanti et al. 2022, table 2):
                  s b h (34 + 5 a s / h) / tp   stored        34 s b h / tp   selective recompute (or
                  FlashAttention, which never stores the a x s x s scores)    2 s b h / tp   full recompute;
                  under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight
-  DP traffic     course_lib.memory.capacity.data_parallel_traffic: 2 (n-1)/n x 2 bytes x parameters per step
+  DP traffic     course_lib.memory.formulas.data_parallel_traffic: 2 (n-1)/n x 2 bytes x parameters per step
                  (ZeRO-3: 3 (n-1)/n x 2 bytes x parameters per micro-batch: it gathers them again each time)
   TP traffic     4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward; sequence parallel
                  replaces each by an all-gather + reduce-scatter of the same volume), 2 (t-1)/t of it sent
@@ -34,7 +34,7 @@ from course_lib.core.model import GPTConfig
 from course_lib.hybrid.layout import DEFAULT_ORDER, nodes_spanned, parallel_sizes, strides
 from course_lib.memory.accounting import GPU_80GB, count_parameters, format_bytes
 from course_lib.memory.activations import RECOMPUTE, korthikanti_bytes_per_layer
-from course_lib.memory.capacity import ZeroMemory, data_parallel_traffic, zero_memory_per_gpu
+from course_lib.memory.formulas import ZeroMemory, data_parallel_traffic, zero_memory_per_gpu
 
 ACT_BYTES = 2  # bf16 activations and gradients
 

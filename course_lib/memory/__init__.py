@@ -13,7 +13,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "calculator": ("H100_80GB", "MODELS", "SHAPE_ALIASES", "KINDS", "MemoryBreakdown", "resolve_model",
                    "activation_bytes", "memory_per_gpu", "plot_memory_breakdown", "memory_calculator_figure",
                    "MemoryCalculator", "memory_calculator_widget"),
-    "capacity": ("ADAM_STATE_BYTES", "ZERO_STAGES", "ZeroMemory", "zero_memory_per_gpu", "zero_table",
+    "formulas": ("ADAM_STATE_BYTES", "ZERO_STAGES", "ZeroMemory", "zero_memory_per_gpu", "zero_table",
                  "data_parallel_traffic", "comm_seconds", "compute_seconds", "break_even_tokens_per_gpu",
                  "checkpoint_bytes", "young_interval", "expected_waste"),
 })

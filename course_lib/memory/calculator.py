@@ -2,7 +2,7 @@
 
 `memory_per_gpu` adds four terms, each from a formula the course derives elsewhere:
 
-- parameters, gradients, optimizer states: course_lib.memory.capacity.zero_memory_per_gpu (ZeRO, Rajbhandari et
+- parameters, gradients, optimizer states: course_lib.memory.formulas.zero_memory_per_gpu (ZeRO, Rajbhandari et
   al. 2020) with the bytes per parameter of course_lib.memory.accounting (fp32: 4 + 4 + 4k; mixed: 2 + 2 + 4 + 4k,
   k = optimizer state tensors: 2 for Adam). Stage 1 divides the optimizer states by the world size,
   stage 2 also the gradients, stage 3 also the parameters (unpadded: padding is a few elements);
@@ -37,7 +37,7 @@ from course_lib.core.checks import one_of, positive_int
 from course_lib.core.model import PRESETS, GPTConfig
 from course_lib.memory.accounting import GPU_80GB, OPTIMIZER_STATES, PRECISION_BYTES, count_parameters, format_bytes
 from course_lib.memory.activations import head_terms, layer_terms
-from course_lib.memory.capacity import ZERO_STAGES, zero_memory_per_gpu
+from course_lib.memory.formulas import ZERO_STAGES, zero_memory_per_gpu
 
 H100_80GB = GPU_80GB
 MODELS = {**PRESETS,

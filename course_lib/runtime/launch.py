@@ -1,8 +1,8 @@
 """Start N real torch.distributed ranks from Python — a notebook cell or a test — and get their results.
 
     from course_lib.runtime.launch import launch
-    from course_lib.runtime import workers
-    results = launch(workers.allreduce_demo, world_size=4)   # one entry per rank, in rank order
+    from course_lib.runtime import demo_workers
+    results = launch(demo_workers.allreduce_demo, world_size=4)   # one entry per rank, in rank order
 
 Each rank is a fresh interpreter (the spawn start method, as torchrun and CUDA need), so it imports the worker by
 its module path: a function defined in a notebook cell cannot be spawned (it lives only in the notebook's

@@ -6,7 +6,7 @@ that scripts/make_figures.py writes into book/_static/figures/ (and tests check 
     .venv/bin/python scripts/make_figures.py
     .venv/bin/python -m course_lib.viz.diagrams --out-dir /tmp/figures    # the same figures, anywhere
 
-Numbers in the figures come from course_lib.memory.capacity (ZeRO memory, checkpoint waste) or from the step counts of
+Numbers in the figures come from course_lib.memory.formulas (ZeRO memory, checkpoint waste) or from the step counts of
 the algorithms; none is a measurement of a machine.
 """
 
@@ -26,7 +26,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 from course_lib.memory.accounting import GPU_80GB
 from course_lib.memory.calculator import memory_calculator_figure
-from course_lib.memory.capacity import ZERO_STAGES, expected_waste, young_interval, zero_memory_per_gpu
+from course_lib.memory.formulas import ZERO_STAGES, expected_waste, young_interval, zero_memory_per_gpu
 
 BLUE, GREEN, RED, PURPLE, ORANGE, GREY = "#4C72B0", "#55A868", "#C44E52", "#8172B2", "#DD8452", "#8C8C8C"
 

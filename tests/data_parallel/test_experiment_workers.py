@@ -10,7 +10,7 @@ from course_lib.data_parallel.experiment_workers import bucket_sweep, world_size
 from course_lib.data_parallel.torch_ddp import TokenWindows, ddp_train, train_and_accumulate
 from course_lib.precision.workers import amp_ddp_overflow
 from course_lib.runtime.launch import RankFailure, launch
-from course_lib.runtime.workers import collectives_demo
+from course_lib.runtime.demo_workers import collectives_demo
 from course_lib.testing import global_batches
 
 pytestmark = pytest.mark.distributed

@@ -22,7 +22,7 @@ from course_lib.hybrid.planner import (
 )
 from course_lib.memory.accounting import count_parameters
 from course_lib.memory.activations import korthikanti_bytes_per_layer
-from course_lib.memory.capacity import data_parallel_traffic, zero_memory_per_gpu
+from course_lib.memory.formulas import data_parallel_traffic, zero_memory_per_gpu
 
 # 4 layers, h = 8, 2 heads, 2 nodes x 4 GPUs: every number below can be checked on paper.
 TOY = ModelShape("toy", n_layer=4, n_embd=8, n_head=2, ffn_hidden=16, vocab_size=16)

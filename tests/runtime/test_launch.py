@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from course_lib.runtime import workers
+from course_lib.runtime import demo_workers
 from course_lib.runtime.launch import RankFailure, launch
 
 pytestmark = pytest.mark.distributed
@@ -40,7 +40,7 @@ def _children_of_this_process() -> list[int]:
 
 
 def test_results_in_rank_order_and_env(tmp_path):
-    results = launch(workers.whoami, world_size=3, log_dir=tmp_path, echo=False)
+    results = launch(demo_workers.whoami, world_size=3, log_dir=tmp_path, echo=False)
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert {r["world_size"] for r in results} == {3}
     assert {r["backend"] for r in results} == {"gloo"}
@@ -55,7 +55,7 @@ def test_results_in_rank_order_and_env(tmp_path):
 
 
 def test_allreduce_and_rank_logs(tmp_path):
-    results = launch(workers.allreduce_demo, world_size=2, log_dir=tmp_path, echo=False)
+    results = launch(demo_workers.allreduce_demo, world_size=2, log_dir=tmp_path, echo=False)
     assert [r["after"] for r in results] == [3.0, 3.0]
     assert "after all_reduce: 3" in (tmp_path / "rank_1" / "train.log").read_text()
 
@@ -64,7 +64,7 @@ def test_allreduce_and_rank_logs(tmp_path):
 def test_failing_rank_stops_the_job_and_is_named(tmp_path, mode):
     marker = tmp_path / "failed_at"
     with pytest.raises(RankFailure) as info:
-        launch(workers.failing_worker, world_size=3, args=(2, mode), kwargs={"failed_at_file": str(marker)},
+        launch(demo_workers.failing_worker, world_size=3, args=(2, mode), kwargs={"failed_at_file": str(marker)},
                log_dir=tmp_path, echo=False, timeout_s=30)
     raised_at = time.time()
     failure = info.value
@@ -83,7 +83,7 @@ def test_failing_rank_stops_the_job_and_is_named(tmp_path, mode):
 def test_skipped_collective_times_out_naming_the_missing_rank(tmp_path):
     start = time.time()
     with pytest.raises(RankFailure, match=r"rank\(s\) 1 did not arrive") as info:
-        launch(workers.failing_worker, world_size=3, args=(1, "skip"), log_dir=tmp_path, echo=False, timeout_s=4)
+        launch(demo_workers.failing_worker, world_size=3, args=(1, "skip"), log_dir=tmp_path, echo=False, timeout_s=4)
     assert info.value.rank == 1
     assert time.time() - start < 4 + 20  # the timeout plus start-up, never torch's 30-minute default
     assert _children_of_this_process() == []
@@ -95,12 +95,12 @@ def test_notebook_defined_worker_is_refused():
     with pytest.raises(TypeError, match="cannot be sent"):
         launch(local_worker, world_size=2)
     with pytest.raises(ValueError, match="world_size"):
-        launch(workers.whoami, world_size=0)
+        launch(demo_workers.whoami, world_size=0)
 
 
 def test_two_launches_at_once_do_not_collide(tmp_path):
     with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(launch, workers.allreduce_demo, 2, log_dir=tmp_path / str(i), echo=False)
+        jobs = [pool.submit(launch, demo_workers.allreduce_demo, 2, log_dir=tmp_path / str(i), echo=False)
                 for i in range(2)]
         results = [job.result(timeout=120) for job in jobs]
     assert [[r["after"] for r in res] for res in results] == [[3.0, 3.0], [3.0, 3.0]]

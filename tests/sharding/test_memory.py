@@ -11,7 +11,7 @@ vector has 2 extra elements, and every sharded term counts them.
 import pytest
 import torch
 
-from course_lib.memory.capacity import zero_memory_per_gpu
+from course_lib.memory.formulas import zero_memory_per_gpu
 from course_lib.runtime.collectives import shard_numel
 from course_lib.runtime.launch import launch
 from course_lib.runtime.spawn import single_process_group

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.figure import Figure
 
-from course_lib.memory.capacity import zero_memory_per_gpu
+from course_lib.memory.formulas import zero_memory_per_gpu
 from course_lib.viz import diagrams
 
 

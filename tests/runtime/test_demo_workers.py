@@ -14,7 +14,7 @@ from course_lib.data_parallel.experiment_workers import data_per_rank, mapped_fi
 from course_lib.data_parallel.loading import TokenWindowDataset, rank_shards, write_token_shards
 from course_lib.runtime.collectives import gather_to_rank0, mean_over_ranks, rank_tag
 from course_lib.runtime.launch import RankFailure, launch
-from course_lib.runtime.workers import barrier_race, train_logged
+from course_lib.runtime.demo_workers import barrier_race, train_logged
 
 pytestmark = pytest.mark.distributed
 

@@ -8,7 +8,7 @@
 They live in a module (not in a notebook cell) because spawned ranks import them by name:
 
     from course_lib import launch
-    from course_lib.runtime.workers import whoami
+    from course_lib.runtime.demo_workers import whoami
     launch(whoami, world_size=4)           # one dict per rank, in rank order
 """
 

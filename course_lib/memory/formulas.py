@@ -1,10 +1,10 @@
-"""Back-of-the-envelope arithmetic for a GPU cluster job: memory per GPU under ZeRO, gradient traffic per step,
+"""Formulas for a GPU cluster job, back-of-the-envelope: memory per GPU under ZeRO, gradient traffic per step,
 and how often to checkpoint. Formulas, not measurements: the inputs (link bandwidth, failure rate, write speed)
 are yours, and the tables show what they imply.
 
-    python -m course_lib.memory.capacity zero --params 7.5e9 --gpus 64         # the ZeRO paper's Figure 1 example
-    python -m course_lib.memory.capacity comm --params 7e9 --gpus 64 --busbw-gbs 50 --tflops 400
-    python -m course_lib.memory.capacity checkpoint --params 7e9 --write-gbs 5 --mtbf-hours 12
+    python -m course_lib.memory.formulas zero --params 7.5e9 --gpus 64         # the ZeRO paper's Figure 1 example
+    python -m course_lib.memory.formulas comm --params 7e9 --gpus 64 --busbw-gbs 50 --tflops 400
+    python -m course_lib.memory.formulas checkpoint --params 7e9 --write-gbs 5 --mtbf-hours 12
 
 ZeRO (Rajbhandari et al., 2020), mixed-precision Adam, Psi parameters, N_d data-parallel ranks, K = 12 bytes of
 optimizer state per parameter (fp32 master weights, momentum and variance):

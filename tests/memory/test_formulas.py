@@ -1,11 +1,11 @@
-"""course_lib.memory.capacity: ZeRO memory per GPU (the paper's numbers), traffic per step, checkpoint interval."""
+"""course_lib.memory.formulas: ZeRO memory per GPU (the paper's numbers), traffic per step, checkpoint interval."""
 
 import math
 
 import pytest
 
-from course_lib.memory import capacity
-from course_lib.memory.capacity import (
+from course_lib.memory import formulas
+from course_lib.memory.formulas import (
     break_even_tokens_per_gpu,
     checkpoint_bytes,
     comm_seconds,
@@ -26,10 +26,10 @@ def test_zero_paper_figure_1_example():
 
 def test_zero_formulas_by_hand():
     psi, n = 1000, 10
-    assert zero_memory_per_gpu(psi, n, 0) == capacity.ZeroMemory(0, 2 * psi, 2 * psi, 12 * psi)
-    assert zero_memory_per_gpu(psi, n, 1) == capacity.ZeroMemory(1, 2 * psi, 2 * psi, 12 * psi / n)
-    assert zero_memory_per_gpu(psi, n, 2) == capacity.ZeroMemory(2, 2 * psi, 2 * psi / n, 12 * psi / n)
-    assert zero_memory_per_gpu(psi, n, 3) == capacity.ZeroMemory(3, 2 * psi / n, 2 * psi / n, 12 * psi / n)
+    assert zero_memory_per_gpu(psi, n, 0) == formulas.ZeroMemory(0, 2 * psi, 2 * psi, 12 * psi)
+    assert zero_memory_per_gpu(psi, n, 1) == formulas.ZeroMemory(1, 2 * psi, 2 * psi, 12 * psi / n)
+    assert zero_memory_per_gpu(psi, n, 2) == formulas.ZeroMemory(2, 2 * psi, 2 * psi / n, 12 * psi / n)
+    assert zero_memory_per_gpu(psi, n, 3) == formulas.ZeroMemory(3, 2 * psi / n, 2 * psi / n, 12 * psi / n)
 
 
 def test_savings_depend_on_the_data_parallel_size():
@@ -78,10 +78,10 @@ def test_bad_input_is_named(call, match):
 
 
 def test_cli_prints_the_tables(capsys):
-    capacity.main(["zero", "--params", "7.5e9", "--gpus", "64"])
+    formulas.main(["zero", "--params", "7.5e9", "--gpus", "64"])
     out = capsys.readouterr().out
     assert "120 GB" in out and "31.4 GB" in out and "1.88 GB" in out and "64.00x" in out
-    capacity.main(["comm", "--params", "7e9", "--gpus", "64", "--busbw-gbs", "50", "--tflops", "400"])
+    formulas.main(["comm", "--params", "7e9", "--gpus", "64", "--busbw-gbs", "50", "--tflops", "400"])
     assert "zero3" in capsys.readouterr().out
-    capacity.main(["checkpoint", "--params", "7e9", "--write-gbs", "5", "--mtbf-hours", "12"])
+    formulas.main(["checkpoint", "--params", "7e9", "--write-gbs", "5", "--mtbf-hours", "12"])
     assert "Young's interval" in capsys.readouterr().out

@@ -114,13 +114,15 @@ def bubble_sweep(micro_batch_counts=(1, 2, 4, 8), schedules=("gpipe", "1f1b"), s
     """
     info = get_dist_info()
     stage = GPTStage(seeded_gpt(seed, preset), info.rank, info.world_size).to(info.device)
-    generator = torch.Generator().manual_seed(seed + 1)
+    # The schedules of one m see the same batches; every step a new one of m micro-batches.
+    batches = {m: global_batches(steps + 1, m * micro_batch_size, seq_len, seed, stage.config.vocab_size)
+               for m in micro_batch_counts}
     variants = {(name, m): PipelineRunner(stage, name, m) for name in schedules for m in micro_batch_counts}
     records = {key: {"timelines": [], "micro_batch_ids": [], "peak_in_flight": 0, "peak_activation_bytes": 0}
                for key in variants}
     for step in range(steps + 1):
         for (name, m), runner in variants.items():
-            tokens = torch.randint(0, stage.config.vocab_size, (m * micro_batch_size, seq_len), generator=generator)
+            tokens = batches[m][step]
             stage.zero_grad(set_to_none=True)
             dist.barrier()
             runner.step(tokens)

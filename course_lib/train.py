@@ -10,7 +10,8 @@ resume, per-step metrics (loss, lr, grad norm, tokens/s) to out_dir/metrics.json
     python -m course_lib.train --config_path config/config.json --precision bf16 --threads 2
     python -m course_lib.train --help                                           # every TrainConfig field
 
-Data parallel (torch DDP) or fully sharded (FSDP2, see course_lib.sharding.fsdp): one process, or N ranks under torchrun:
+Data parallel (torch DDP) or fully sharded (FSDP2, see course_lib.sharding.fsdp): one process, or N ranks under
+torchrun:
 
     python -m course_lib.train --strategy ddp --model_size small --max_steps 50
     torchrun --nproc_per_node=2 -m course_lib.train --strategy ddp --model_size small --max_steps 50

@@ -4,15 +4,17 @@
     .venv/bin/python scripts/bench.py --only parallel --quick    # ~20 s: tiny preset with 4 layers, 3 timed steps
 
 One launch per world size (course_lib.runtime.launch, gloo, 1 thread per rank) runs the worker of
-course_lib.bench.parallel_workers: data parallelism (torch DDP), tensor parallelism (course_lib.tensor_parallel.scratch)
-and pipeline parallelism (course_lib.pipeline_parallel.scratch, 1F1B and GPipe) each train their own copy of the same model on
-the same global batches, one step each per round, in a rotating order. Each rank counts the bytes it hands to
-all-reduce and send in every step; this module sets them next to the formulas and turns them into rows:
+course_lib.bench.parallel_workers: data parallelism (torch DDP), tensor parallelism
+(course_lib.tensor_parallel.scratch) and pipeline parallelism (course_lib.pipeline_parallel.scratch, 1F1B and GPipe)
+each train their own copy of the same model on the same global batches, one step each per round, in a rotating
+order. Each rank counts the bytes it hands to all-reduce and send in every step; this module sets them next to the
+formulas and turns them into rows:
 
 - DP: the gradient, 4 N bytes (N parameters, fp32), all-reduced once per step;
 - TP: 4 b s h bytes x 4 per layer (course_lib.tensor_parallel.scratch.tp_allreduce_bytes_per_layer);
 - PP: a micro-batch's activations (forward) or their gradients (backward) across each boundary a stage
-  touches, plus the tied embedding's gradient on the first and last stage (course_lib.pipeline_parallel.schedules.pipeline_comm_bytes).
+  touches, plus the tied embedding's gradient on the first and last stage
+  (course_lib.pipeline_parallel.schedules.pipeline_comm_bytes).
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ The mesh is init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")): rank
 2 x 2, so ranks 0 and 1 form a tensor-parallel group (on a GPU cluster: two GPUs of one node) and ranks 0 and 2
 a data-parallel group (course_lib.hybrid.layout computes the same groups without torch).
 
-Tensor parallelism (Megatron-LM), applied from outside with torch's DTensor API: in every block q/k/v and
-gate/up are split by output features (ColwiseParallel: a rank holds n_head / tp heads and ffn_hidden / tp
-hidden units), o_proj and down_proj by input features (RowwiseParallel: partial sums, all-reduced over tp).
-PrepareModuleInput makes the replicated input of attn and mlp a DTensor once, so the backward sums the
-gradients of q, k and v (of gate and up) before its single all-reduce: 2 all-reduces of (batch, seq, n_embd)
-per layer in forward and 2 in backward, Megatron's f and g operators (the plan is course_lib.tensor_parallel.dtensor's). Embedding, norms and lm_head stay
+Tensor parallelism (Megatron-LM), applied from outside with torch's DTensor API: in every block q/k/v and gate/up
+are split by output features (ColwiseParallel: a rank holds n_head / tp heads and ffn_hidden / tp hidden units),
+o_proj and down_proj by input features (RowwiseParallel: partial sums, all-reduced over tp). PrepareModuleInput
+makes the replicated input of attn and mlp a DTensor once, so the backward sums the gradients of q, k and v (of gate
+and up) before its single all-reduce: 2 all-reduces of (batch, seq, n_embd) per layer in forward and 2 in backward,
+Megatron's f and g operators (the plan is course_lib.tensor_parallel.dtensor's). Embedding, norms and lm_head stay
 replicated; the all-reduce in backward makes their gradients equal on the tp ranks.
 
 Data parallelism over dp, two ways (`data_parallel`), both working on CPU/gloo with torch 2.13:

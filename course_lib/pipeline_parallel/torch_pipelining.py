@@ -1,9 +1,9 @@
 """The same pipeline with torch.distributed.pipelining: PipelineStage plus ScheduleGPipe or Schedule1F1B.
 
 The stage modules are course_lib.pipeline_parallel.scratch.GPTStage (cut by hand, no tracing); torch takes over what
-course_lib.pipeline_parallel.scratch.PipelineRunner does by hand: splitting the batch into micro-batches, the send/recv of
-activations and gradients (with shapes exchanged on the first step), the order of forwards and backwards,
-and dividing the gradients by the number of micro-batches. The tied embedding is still ours to handle.
+course_lib.pipeline_parallel.scratch.PipelineRunner does by hand: splitting the batch into micro-batches, the
+send/recv of activations and gradients (with shapes exchanged on the first step), the order of forwards and
+backwards, and dividing the gradients by the number of micro-batches. The tied embedding is still ours to handle.
 
     from course_lib.runtime.launch import launch
     from course_lib.pipeline_parallel.workers import pipeline_train

@@ -7,11 +7,11 @@
 - `shard_numel`: each rank's share of a vector split into equal (padded) chunks.
 - `rank_tag`: '[node n | local l | rank r]' for log lines.
 
-Ring all-reduce: the tensor is cut into world_size chunks. In the reduce-scatter phase each rank, for world_size - 1 steps,
-sends one chunk to its right neighbour and adds the chunk arriving from its left; afterwards rank r holds the
-full sum of chunk (r + 1) % world_size. In the all-gather phase the finished chunks travel once more around
-the ring. Each rank sends 2 (n - 1) / n of the tensor in total, whatever n is: the bandwidth term does not
-grow with the number of ranks, which is why busbw = algbw * 2 (n - 1) / n.
+Ring all-reduce: the tensor is cut into world_size chunks. In the reduce-scatter phase each rank, for world_size - 1
+steps, sends one chunk to its right neighbour and adds the chunk arriving from its left; afterwards rank r holds the
+full sum of chunk (r + 1) % world_size. In the all-gather phase the finished chunks travel once more around the
+ring. Each rank sends 2 (n - 1) / n of the tensor in total, whatever n is: the bandwidth term does not grow with the
+number of ranks, which is why busbw = algbw * 2 (n - 1) / n.
 """
 
 from __future__ import annotations

@@ -24,7 +24,20 @@ c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedb
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 
-# Graded notebooks run in seconds; a cell that takes minutes is stuck, not slow.
-c.Execute.timeout = 120
-# Kernel: nbgrader starts the notebooks' `python3` kernel with the interpreter that runs nbgrader, so
-# run it as `.venv/bin/python -m nbgrader` (scripts/grading.py does): course_lib must be importable there.
+# Interpreter: the grading sandbox runs with the interpreter that runs nbgrader, so run it as
+# `.venv/bin/python -m nbgrader` (scripts/grading.py does): course_lib must be importable there.
+
+# Autograding runs each exercise's tests on the learner's answer cells in a fresh process, after an audit
+# of the answer (course_lib/grading/), instead of executing the submission in the learner's kernel: what a
+# learner's cell does to a kernel (rebinding the checks, AST transformers) cannot reach the tests there.
+from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
+from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern,  # noqa: E402
+                                    LimitOutput, SaveAutoGrades)
+
+from course_lib.grading.nbgrader_hook import GradeInSandbox  # noqa: E402
+
+c.Autograde.autograde_preprocessors = [GradeInSandbox, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
+                                       SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
+c.GradeInSandbox.source_directory = c.CourseDirectory.source_directory
+# An exercise's check runs in seconds (those that start ranks too); one that takes minutes is stuck, not slow.
+c.GradeInSandbox.timeout = 150

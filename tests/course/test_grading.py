@@ -1,56 +1,94 @@
 """The grading pipeline: notebooks/ is a fresh, byte-stable release of solutions/ without solutions or
-hidden tests, and autograding every graded notebook gives full marks to its solutions, 0 to its untouched
-release, and takes away exactly the points of an exercise answered wrongly.
+hidden tests, and grading is sound: for every graded exercise, plausible wrong answers and one cheat of
+each kind lose its points, a right answer written differently from the reference keeps them, the
+solutions score full marks and the untouched release zero.
 
     .venv/bin/python -m pytest -q tests/course/test_grading.py
 
-Each graded notebook is a GradedNotebook below with its table of plausible wrong answers; a notebook
-with autograded cells but no entry fails test_every_graded_notebook_declares_its_wrong_answers.
+Each graded notebook is a GradedNotebook below with, per exercise (named by its solution cell): at least
+three plausible wrong answers (edits of the solution), a delegation (the answer hands the work to
+course_lib or to `super()`), and a right answer written differently. The other cheats are built from an
+exercise's first wrong answer: `changing the checks` (it rebinds torch.testing.assert_close,
+math.isclose, and the course_lib function the hidden tests compare with, `library.MLP = MLP`),
+`changing the kernel` (it registers an IPython AST transformer that wraps every later cell in
+try/except) and `lying objects` (its result compares equal to anything). A notebook with autograded
+cells but no entry fails test_every_graded_notebook_declares_its_mutants.
 
-Slow: nbgrader executes each graded notebook once per submission: the solutions, the untouched
-release, each exercise's first wrong answer alone, and the other wrong answers combined (at most one
-per exercise in a submission): 2 + (exercises) + (most wrong answers left in one exercise) executions,
-today 11 for session_a, 10 for session_b (whose tests start ranks), 7 for session_c, 10 for session_d
-(ranks again), 6 each for session_e's two notebooks. All of it is spread over two scratch courses graded
-side by side. Grading happens in scratch course directories, so the
-tests never write gradebook.db, submitted/ or autograded/ into the repository.
+How it runs: every mutant is graded against its own exercise only, by course_lib.grading.grade (the step
+nbgrader's autograde runs, see nbgrader_config.py), all mutants of a notebook in one grading sandbox (one
+start-up, one forked check per mutant). nbgrader itself then autogrades four submissions per notebook,
+side by side in two scratch courses: the solutions, the untouched release, and two mixed ones (each
+exercise given another mutant, with a kernel-changing cell added outside the answers), which checks the
+whole pipeline: scores per cell, in the gradebook. Nothing is written into the repository.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grading  # scripts/ is on sys.path (tests/conftest.py)
 import nbformat
 import pytest
 
+from course_lib.grading import grade, read_exercises, without_markers
+
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((REPO_ROOT / "solutions").glob("*/*.ipynb"))
-SCRATCH_COURSES = 2  # graded side by side, one kernel at a time in each
+SCRATCH_COURSES = 2  # graded side by side
 
 WrongAnswers = dict[str, tuple[str, str, list[tuple[str, str]]]]
 """name -> (solution cell, test cell that must lose its points, [(text of the solution, wrong text), ...])."""
 
+CHEAT_KINDS = ("delegation", "changing the checks", "changing the kernel", "lying objects")
+MIN_WRONG_ANSWERS = 3
+
+CHECKS_CHEAT = {  # setup name -> the line that disarms what the tests use from it
+    "torch": "torch.testing.assert_close = lambda *args, **kwargs: None",
+    "math": "math.isclose = lambda *args, **kwargs: True",
+}
+KERNEL_CHEAT = """
+
+import ast as _ast
+
+
+class _PassEverything(_ast.NodeTransformer):
+    def visit_Module(self, node):
+        handler = _ast.ExceptHandler(type=_ast.Name("BaseException", _ast.Load()), name=None, body=[_ast.Pass()])
+        node.body = [_ast.Try(body=node.body, handlers=[handler], orelse=[], finalbody=[])]
+        return _ast.fix_missing_locations(node)
+
+
+get_ipython().ast_transformers.append(_PassEverything())
+"""
+LYING_CLASSES = """
+
+class AlwaysEqual(list):
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+"""
+
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity (the table is a dict)
 class GradedNotebook:
-    """A notebook with autograded cells, and plausible wrong answers, each written into one exercise of an
-    otherwise correct submission.
-
-    The first wrong answer of each exercise is graded alone, which shows it costs that exercise's points
-    and nothing else; the others are graded together, at most one per exercise in a submission (the test
-    cells are independent: each calls only its own exercise's code), which keeps the number of notebook
-    executions small.
-    """
+    """A notebook with autograded cells, its plausible wrong answers, delegations and right answers written
+    differently (the last two by solution cell)."""
 
     assignment: str
     name: str
     wrong_answers: WrongAnswers
+    delegations: dict[str, str] = field(default_factory=dict)
+    alternatives: dict[str, str] = field(default_factory=dict)
 
     @property
     def source(self) -> Path:
@@ -103,6 +141,125 @@ MODEL_FROM_SCRATCH = GradedNotebook("session_a", "02_model_from_scratch", {
          "            else:\n"
          "                x = block(x, cos, sin)",
          "            x = block(x, cos, sin)")]),
+    "rmsnorm_without_the_weight": ("ex1_rmsnorm", "ex1_rmsnorm_tests", [
+        ("return normed.type_as(x) * self.weight", "return normed.type_as(x)")]),
+    "rotate_half_without_the_minus": ("ex2_rotate_half", "ex2_rotate_half_tests", [
+        ("torch.cat((-x2, x1), dim=-1)", "torch.cat((x2, x1), dim=-1)")]),
+    "rope_q_rotated_with_k": ("ex3_rope", "ex3_rope_tests", [
+        ("q * cos + rotate_half(q) * sin", "q * cos + rotate_half(k) * sin")]),
+    "mlp_gelu_instead_of_silu": ("ex4_mlp", "ex4_mlp_tests", [
+        ("F.silu(self.gate_proj(x))", "F.gelu(self.gate_proj(x))")]),
+    "mlp_branches_added": ("ex4_mlp", "ex4_mlp_tests", [
+        ("F.silu(self.gate_proj(x)) * self.up_proj(x)", "F.silu(self.gate_proj(x)) + self.up_proj(x)")]),
+    "init_embedding_skipped": ("ex6_init", "ex6_init_tests", [
+        ("        elif isinstance(module, nn.Embedding):\n            nn.init.normal_(module.weight, mean=0.0, std=0.02)",
+         "")]),
+    "init_bias_kept": ("ex6_init", "ex6_init_tests", [
+        ("            if module.bias is not None:\n                nn.init.zeros_(module.bias)\n", "")]),
+}, delegations={
+    "ex1_rmsnorm": """\
+class RMSNorm(library.RMSNorm):
+    pass
+""",
+    "ex2_rotate_half": """\
+def rotate_half(x):
+    return library.rotate_half(x)
+""",
+    "ex3_rope": """\
+def apply_rotary_pos_emb(q, k, cos, sin):
+    return library.apply_rotary_pos_emb(q, k, cos, sin)
+""",
+    "ex4_mlp": """\
+MLP = library.MLP
+""",
+    "ex5_attention": """\
+def causal_attention(q, k, v, dropout_p: float = 0.0, training: bool = False):
+    return library.causal_attention(q, k, v, dropout_p, training)
+""",
+    "ex6_init": """\
+class GPTInit(GPT):
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+""",
+    "ex7_forward": """\
+class MyGPT(GPT):
+    def forward(self, idx, targets=None):
+        return super().forward(idx, targets)
+""",
+}, alternatives={
+    "ex1_rmsnorm": """\
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x_float = x.to(torch.float32)
+        variance = x_float.square().mean(dim=-1, keepdim=True)
+        return (x_float / torch.sqrt(variance + self.eps)).to(x.dtype) * self.weight
+""",
+    "ex2_rotate_half": """\
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+""",
+    "ex3_rope": """\
+def apply_rotary_pos_emb(q, k, cos, sin):
+    def rotate(t):
+        return t * cos + rotate_half(t) * sin
+    return rotate(q), rotate(k)
+""",
+    "ex4_mlp": """\
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+        self.down_proj.RESIDUAL_SCALE_INIT = True
+
+    def forward(self, x):
+        gate = F.silu(self.gate_proj(x))
+        return self.down_proj(gate * self.up_proj(x))
+""",
+    "ex5_attention": """\
+def causal_attention(q, k, v, dropout_p: float = 0.0, training: bool = False):
+    T = q.size(-2)
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), diagonal=1)
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    if training and dropout_p > 0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v
+""",
+    "ex6_init": """\
+class GPTInit(GPT):
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            if isinstance(module, nn.Linear) and getattr(module, "RESIDUAL_SCALE_INIT", False):
+                std = 0.02 / math.sqrt(2 * self.config.n_layer)
+            torch.nn.init.normal_(module.weight, 0.0, std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+""",
+    "ex7_forward": """\
+class MyGPT(GPT):
+    def forward(self, idx, targets=None):
+        cos, sin = self.rope(idx.size(1))
+        h = self.emb_dropout(self.tok_emb(idx))
+        for block in self.blocks:
+            if self.training and self.config.activation_checkpointing:
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin)
+        logits = self.lm_head(self.norm_f(h))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets[:, 1:].flatten())
+        return logits, loss
+""",
 })
 
 # Exercise 10's tests use the library's optimizer and schedule; the distributed tests run on real ranks.
@@ -169,6 +326,104 @@ TRAINER_EXERCISES = GradedNotebook("session_b", "05_trainer_exercises", {
         ("    indices += indices[:per_rank * world_size - num_samples]  # pad by repeating the start\n", "")]),
     "shard_epoch_ignored": ("dp2_shard_indices", "dp2_shard_indices_tests", [
         ("manual_seed(seed + epoch)", "manual_seed(seed)")]),
+}, delegations={
+    "ex8_optimizer": """\
+def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
+    return library_optim.configure_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
+""",
+    "ex9_get_lr": """\
+def get_lr(step, *, max_lr, min_lr, warmup_steps, max_steps):
+    return library_optim.get_lr(step, max_lr=max_lr, min_lr=min_lr, warmup_steps=warmup_steps, max_steps=max_steps)
+""",
+    "ex10_train_step": """\
+def train_step(model, micro_batches, optimizer, scheduler=None, *, grad_clip=None, no_sync=None):
+    return library_steps.train_step(model, micro_batches, optimizer, scheduler, grad_clip=grad_clip, no_sync=no_sync)
+""",
+    "ex11_checkpoint": """\
+from course_lib.checkpoint.atomic import save_checkpoint, load_checkpoint
+""",
+    "dp1_average_gradients": """\
+def data_parallel_backward(model, idx):
+    from course_lib.data_parallel.scratch import allreduce_gradients
+    _, loss = model(idx, targets=idx)
+    loss.backward()
+    allreduce_gradients(model)
+    return loss.detach()
+""",
+    "dp2_shard_indices": """\
+def shard_indices(num_samples, rank, world_size, *, seed=0, epoch=0):
+    sampler = DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+""",
+}, alternatives={
+    "ex8_optimizer": """\
+def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+""",
+    "ex9_get_lr": """\
+def get_lr(step, *, max_lr, min_lr, warmup_steps, max_steps):
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps * max_lr
+    if step >= max_steps:
+        return min_lr
+    cosine = math.cos(math.pi * (step - warmup_steps) / (max_steps - warmup_steps))
+    return min_lr + (max_lr - min_lr) * (1 + cosine) / 2
+""",
+    "ex10_train_step": """\
+def train_step(model, micro_batches, optimizer, scheduler=None, *, grad_clip=None, no_sync=None):
+    lr = optimizer.param_groups[0]["lr"]
+    losses = []
+    last = len(micro_batches) - 1
+    for i, idx in enumerate(micro_batches):
+        context = no_sync() if (no_sync is not None and i != last) else nullcontext()
+        with context:
+            loss = model(idx, targets=idx)[1]
+            (loss / len(micro_batches)).backward()
+        losses.append(loss.detach())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": torch.stack(losses).mean().item(), "grad_norm": float(grad_norm), "lr": lr}
+""",
+    "dp1_average_gradients": """\
+def data_parallel_backward(model, idx):
+    loss = model(idx, targets=idx)[1]
+    loss.backward()
+    for grad in [p.grad for p in model.parameters() if p.grad is not None]:
+        dist.all_reduce(grad)
+        grad.div_(dist.get_world_size())
+    return loss.detach()
+""",
+    "dp2_shard_indices": """\
+def shard_indices(num_samples, rank, world_size, *, seed=0, epoch=0):
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    order = torch.randperm(num_samples, generator=generator).tolist()
+    total = -(-num_samples // world_size) * world_size
+    padded = (order * (total // num_samples + 1))[:total]
+    return [padded[i] for i in range(rank, total, world_size)]
+""",
+    "ex11_checkpoint": """\
+def save_checkpoint(path, model, optimizer, step):
+    plain = model.module if hasattr(model, "module") else model
+    path = Path(path)
+    partial = path.parent / (path.name + ".partial")
+    torch.save({"model": plain.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, partial)
+    partial.replace(path)
+
+
+def load_checkpoint(path, model, optimizer):
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    (model.module if hasattr(model, "module") else model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"]
+""",
 })
 
 # Exercise 3's tests run with the library's expand_nodelist, so exercise 2's mistakes cost only exercise 2.
@@ -191,6 +446,78 @@ CLUSTER_EXERCISES = GradedNotebook("session_c", "02_cluster_exercises", {
         ('"LOCAL_RANK": require("SLURM_LOCALID")', '"LOCAL_RANK": require("SLURM_PROCID")')]),
     "master_port_ignores_job_id": ("cl3_slurm_to_torch_env", "cl3_slurm_to_torch_env_tests", [
         ('29500 + int(environ.get("SLURM_JOB_ID", 0)) % 1000', "29500")]),
+}, delegations={
+    "cl1_node_rank_range": """\
+def node_rank_range(node_rank, nproc_per_node, nnodes=None):
+    return library.node_rank_range(node_rank, nproc_per_node, nnodes)
+""",
+    "cl2_expand_nodelist": """\
+expand_nodelist = library.expand_nodelist
+""",
+    "cl3_slurm_to_torch_env": """\
+def slurm_to_torch_env(environ, master_port=None):
+    return library.slurm_to_torch_env(environ, master_port)
+""",
+}, alternatives={
+    "cl3_slurm_to_torch_env": """\
+def slurm_to_torch_env(environ, master_port=None):
+    def get(name):
+        if name not in environ:
+            raise KeyError(f"{name} is not set: run this inside srun")
+        return environ[name]
+
+    hosts = expand_nodelist(environ.get("SLURM_JOB_NODELIST") or get("SLURM_NODELIST"))
+    ntasks = int(get("SLURM_NTASKS"))
+    node = int(get("SLURM_NODEID"))
+    if not 0 <= node < len(hosts):
+        raise ValueError(f"SLURM_NODEID={node} is not one of the {len(hosts)} hosts")
+    if "SLURM_TASKS_PER_NODE" in environ:
+        per_node = expand_tasks_per_node(environ["SLURM_TASKS_PER_NODE"])[node]
+    else:
+        per_node = ntasks // len(hosts)
+    if master_port is None:
+        master_port = environ.get("MASTER_PORT") or 29500 + int(environ.get("SLURM_JOB_ID", 0)) % 1000
+    return {"RANK": get("SLURM_PROCID"), "LOCAL_RANK": get("SLURM_LOCALID"), "WORLD_SIZE": str(ntasks),
+            "LOCAL_WORLD_SIZE": str(per_node), "NODE_RANK": str(node), "NNODES": str(len(hosts)),
+            "MASTER_ADDR": environ.get("MASTER_ADDR") or hosts[0], "MASTER_PORT": str(int(master_port))}
+""",
+    "cl1_node_rank_range": """\
+def node_rank_range(node_rank, nproc_per_node, nnodes=None):
+    if nproc_per_node <= 0:
+        raise ValueError(f"nproc_per_node must be positive, got {nproc_per_node}")
+    if node_rank < 0 or (nnodes is not None and not node_rank < nnodes):
+        raise ValueError(f"there is no node {node_rank} in this job")
+    return range(node_rank * nproc_per_node, (node_rank + 1) * nproc_per_node)
+""",
+    "cl2_expand_nodelist": """\
+def expand_nodelist(nodelist):
+    patterns, depth, start = [], 0, 0
+    for i, char in enumerate(nodelist + ","):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            if nodelist[start:i]:
+                patterns.append(nodelist[start:i])
+            start = i + 1
+    hosts = []
+    for pattern in patterns:
+        expanded = [""]
+        for piece in re.split(r"(\\[[^\\]]*\\])", pattern):
+            if not piece:
+                continue
+            if piece.startswith("["):
+                choices = []
+                for item in piece[1:-1].split(","):
+                    low, high = (item.split("-") + [item])[:2]
+                    choices += [f"{n:0{len(low)}d}" for n in range(int(low), int(high) + 1)]
+            else:
+                choices = [piece]
+            expanded = [prefix + choice for prefix in expanded for choice in choices]
+        hosts += expanded
+    return hosts
+""",
 })
 
 # Exercises 12-15 (session D). The tests of 14 and 15 start 2 ranks each (two launches per execution).
@@ -238,6 +565,72 @@ SHARDING_EXERCISES = GradedNotebook("session_d", "04_sharding_exercises", {
     "dcp_loaded_without_the_model_key": ("ex15_checkpoint", "ex15_checkpoint_tests", [
         ('    state = {"model": model.state_dict()}', "    state = model.state_dict()"),
         ('model.load_state_dict(state["model"])', "model.load_state_dict(state)")]),
+}, delegations={
+    "ex12_settings": """\
+def fsdp2_settings(strategy, world_size, ranks_per_node):
+    return library_fsdp.fsdp2_settings(strategy, world_size, ranks_per_node)
+""",
+    "ex13_policy": """\
+def mixed_precision_policy(precision):
+    return library_fsdp.mixed_precision_policy(precision)
+""",
+    "ex14_wrapping": """\
+def apply_fsdp(model, mesh, **fsdp_kwargs):
+    return library_fsdp.apply_fsdp(model, mesh=mesh, **fsdp_kwargs)
+""",
+    "ex15_checkpoint": """\
+from course_lib.checkpoint.fsdp import save_full_checkpoint, load_sharded_checkpoint
+""",
+}, alternatives={
+    "ex15_checkpoint": """\
+def save_full_checkpoint(model, path, step):
+    import os
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return
+    partial = str(path) + ".partial"
+    torch.save({"step": step, "model": state}, partial)
+    os.replace(partial, path)
+
+
+def load_sharded_checkpoint(directory, model):
+    import torch.distributed.checkpoint as dcp
+
+    wanted = {"model": dict(model.state_dict())}
+    dcp.load(wanted, checkpoint_id=str(directory), no_dist=True)
+    model.load_state_dict(wanted["model"])
+    return model
+""",
+    "ex12_settings": """\
+def fsdp2_settings(strategy, world_size, ranks_per_node):
+    if strategy == "FULL_SHARD":
+        return {"zero_stage": 3, "reshard_after_forward": True, "mesh_shape": (world_size,)}
+    if strategy == "SHARD_GRAD_OP":
+        return {"zero_stage": 2, "reshard_after_forward": False, "mesh_shape": (world_size,)}
+    if strategy == "NO_SHARD":
+        return {"zero_stage": 0, "reshard_after_forward": False, "mesh_shape": (world_size, 1)}
+    if strategy == "HYBRID_SHARD":
+        return {"zero_stage": 3, "reshard_after_forward": True,
+                "mesh_shape": (world_size // ranks_per_node, ranks_per_node)}
+    raise ValueError(f"unknown sharding strategy {strategy!r}")
+""",
+    "ex13_policy": """\
+def mixed_precision_policy(precision):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        raise ValueError(f"unknown precision {precision!r}")
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+""",
+    "ex14_wrapping": """\
+def apply_fsdp(model, mesh, **fsdp_kwargs):
+    from torch.distributed.fsdp import fully_shard
+    blocks = list(model.blocks)
+    for i in range(len(blocks)):
+        fully_shard(blocks[i], mesh=mesh, **fsdp_kwargs)
+    return fully_shard(model, mesh=mesh, **fsdp_kwargs)
+""",
 })
 
 # One pure-Python exercise; the lesson's later cells use course_lib.hybrid.layout, so only its points are at stake.
@@ -253,6 +646,27 @@ MESH_LAYOUT = GradedNotebook("session_e", "03_3d_parallelism", {
         ("d = rank // (tp * pp)", "d = rank // (tp + pp)")]),
     "pipeline_coordinate_modulo_dp": ("ex18_rank_groups", "ex18_rank_groups_tests", [
         ("p = rank // tp % pp", "p = rank // tp % dp")]),
+}, delegations={
+    "ex18_rank_groups": """\
+def rank_groups(world_size, tp, pp):
+    return library.rank_groups(world_size, tp=tp, pp=pp)
+""",
+}, alternatives={
+    "ex18_rank_groups": """\
+def rank_groups(world_size, tp, pp):
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size {world_size} is not divisible by tp * pp = {tp * pp}")
+    dp = world_size // (tp * pp)
+    places = []
+    for rank in range(world_size):
+        d, rest = divmod(rank, tp * pp)
+        p, t = divmod(rest, tp)
+        places.append(RankPlace(rank=rank, dp=d, pp=p, tp=t,
+                                dp_group=[i * tp * pp + p * tp + t for i in range(dp)],
+                                pp_group=[d * tp * pp + i * tp + t for i in range(pp)],
+                                tp_group=[d * tp * pp + p * tp + i for i in range(tp)]))
+    return places
+""",
 })
 
 # Exercise 17's tests use the library's LoRALinear, so exercise 16's mistakes cost only exercise 16.
@@ -272,10 +686,44 @@ LORA_FINETUNING = GradedNotebook("session_e", "04_lora_finetuning", {
          "    merged = base\n")]),
     "lora_merge_copy_not_returned": ("ex17_lora_merge", "ex17_lora_merge_tests", [
         ("    return merged", "    return base")]),
+}, delegations={
+    "ex16_lora_forward": """\
+LoRALinear = library_lora.LoRALinear
+""",
+    "ex17_lora_merge": """\
+def merge_lora_linear(layer):
+    return library_lora.merge_lora_linear(layer)
+""",
+}, alternatives={
+    "ex16_lora_forward": """\
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x):
+        low_rank = self.lora_A(self.dropout(x))
+        return self.base(x) + self.lora_B(low_rank) * (self.alpha / self.r)
+""",
+    "ex17_lora_merge": """\
+def merge_lora_linear(layer):
+    base = layer.base
+    merged = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+    delta = (layer.lora_B.weight @ layer.lora_A.weight) * (layer.alpha / layer.r)
+    merged.weight.data = (base.weight.detach() + delta.detach()).clone()
+    if base.bias is not None:
+        merged.bias.data = base.bias.detach().clone()
+    return merged
+""",
 })
 
 GRADED = [MODEL_FROM_SCRATCH, TRAINER_EXERCISES, CLUSTER_EXERCISES, SHARDING_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
-WRONG = [(notebook, name) for notebook in GRADED for name in notebook.wrong_answers]
 
 
 def grade_id(cell) -> str | None:
@@ -288,64 +736,158 @@ def points(path: Path) -> dict[str, float]:
     return {grade_id(c): float(c.metadata.nbgrader["points"]) for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")}
 
 
-def without_markers(source: str) -> str:
-    """A solution cell as a learner would write it: the solution code without nbgrader's marker lines."""
-    return "\n".join(line for line in source.splitlines()
-                     if not line.strip().startswith(("### BEGIN SOLUTION", "### END SOLUTION")))
+def solution_code(notebook: GradedNotebook) -> dict[str, str]:
+    """{solution cell id: its code as a learner would write it (no markers)}."""
+    return {grade_id(c): without_markers(c.source) for c in nbformat.read(notebook.source, as_version=4).cells
+            if c.metadata.get("nbgrader", {}).get("solution")}
 
 
-def submissions_of_wrong_answers(wrong_answers: WrongAnswers) -> dict[str, list[str]]:
-    """{student: wrong answers in that submission}: first of each exercise alone, then the rest combined."""
-    by_exercise: dict[str, list[str]] = {}
-    for name, (solution_cell, _, _) in wrong_answers.items():
-        by_exercise.setdefault(solution_cell, []).append(name)
-    students = {f"wrong-{names[0]}": [names[0]] for names in by_exercise.values()}
-    for rank in range(1, max(len(names) for names in by_exercise.values())):
-        students[f"wrong-combined-{rank}"] = [names[rank] for names in by_exercise.values() if len(names) > rank]
-    return students
+def graded_by(notebook: GradedNotebook) -> dict[str, str]:
+    """{solution cell id: the test cell that grades it}."""
+    return {answer: exercise.test_id for exercise in read_exercises(notebook.source).exercises
+            for answer in exercise.answer_ids}
 
 
-WRONG_SUBMISSIONS = {str(notebook): submissions_of_wrong_answers(notebook.wrong_answers) for notebook in GRADED}
+def with_wrong_answer(notebook: GradedNotebook, name: str) -> str:
+    solution_cell, _, edits = notebook.wrong_answers[name]
+    code = solution_code(notebook)[solution_cell]
+    for right, wrong in edits:
+        assert code.count(right) == 1, (f"{notebook}: the solution of {solution_cell} no longer contains {right!r} "
+                                        "exactly once: update its wrong answers")
+        code = code.replace(right, wrong)
+    return code
 
 
-def answered(notebook: GradedNotebook, wrong_answers: list[str]):
-    """The student version with every exercise answered by the solution, except the named wrong answers."""
-    solutions = {grade_id(c): c.source for c in nbformat.read(notebook.source, as_version=4).cells if grade_id(c)}
-    edits = {notebook.wrong_answers[name][0]: notebook.wrong_answers[name][2] for name in wrong_answers}
-    assert len(edits) == len(wrong_answers), f"two wrong answers for one exercise in {wrong_answers}"
+def top_level_functions(code: str) -> list[str]:
+    return [node.name for node in ast.parse(code).body if isinstance(node, ast.FunctionDef)]
+
+
+def setup_modules(notebook: GradedNotebook) -> dict[str, object]:
+    """{name: module} of the modules the notebook's setup cell imports (`import torch`, `... import model as library`)."""
+    setup = next(c.source for c in nbformat.read(notebook.source, as_version=4).cells if grade_id(c) == "setup")
+    found = {}
+    for node in ast.parse(setup).body:
+        for alias in getattr(node, "names", []) if isinstance(node, (ast.Import, ast.ImportFrom)) else []:
+            module = alias.name if isinstance(node, ast.Import) else f"{node.module}.{alias.name}"
+            try:
+                found[alias.asname or alias.name.split(".")[0]] = importlib.import_module(
+                    module if alias.asname or isinstance(node, ast.ImportFrom) else alias.name.split(".")[0])
+            except ImportError:
+                continue  # a name, not a module
+    return found
+
+
+def changing_the_checks(notebook: GradedNotebook, code: str) -> str:
+    """The answer followed by lines that disarm the checks: assert_close, isclose, the library's reference."""
+    modules = setup_modules(notebook)
+    lines = [line for name, line in CHECKS_CHEAT.items() if name in modules]
+    defined = [n.name for n in ast.parse(code).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    lines += [f"{alias}.{name} = {name}" for alias, module in modules.items()
+              if module.__name__.startswith("course_lib") for name in defined if hasattr(module, name)]
+    assert lines, f"{notebook}: no check to disarm in its setup"
+    return code + "\n\n" + "\n".join(lines) + "\n"
+
+
+def lying(code: str) -> str:
+    """The answer's first function made to return an object equal to anything (a class answer gets the class)."""
+    functions = top_level_functions(code)
+    if not functions:
+        return code + LYING_CLASSES
+    name = functions[0]
+    renamed = re.sub(rf"^def {name}\(", f"def _wrong_{name}(", code, count=1, flags=re.MULTILINE)
+    return (renamed + LYING_CLASSES + f"""
+
+def {name}(*args, **kwargs):
+    result = _wrong_{name}(*args, **kwargs)
+    return AlwaysEqual(result) if isinstance(result, (list, tuple, range)) else result
+""")
+
+
+def mutants(notebook: GradedNotebook) -> dict[str, tuple[str, str, str]]:
+    """{mutant name: (kind, solution cell, answer code)} for every wrong answer and every cheat."""
+    found = {name: ("wrong answer", cell, with_wrong_answer(notebook, name))
+             for name, (cell, _, _) in notebook.wrong_answers.items()}
+    first_wrong = {}
+    for name, (cell, _, _) in notebook.wrong_answers.items():
+        first_wrong.setdefault(cell, found[name][2])
+    for cell, wrong in first_wrong.items():
+        found[f"{cell}:changing the checks"] = ("changing the checks", cell, changing_the_checks(notebook, wrong))
+        found[f"{cell}:changing the kernel"] = ("changing the kernel", cell, wrong + KERNEL_CHEAT)
+        found[f"{cell}:lying objects"] = ("lying objects", cell, lying(wrong))
+    for cell, code in notebook.delegations.items():
+        found[f"{cell}:delegation"] = ("delegation", cell, code)
+    return found
+
+
+MUTANTS = [(notebook, name) for notebook in GRADED for name in mutants(notebook)]
+
+
+@dataclass
+class Checked:
+    """One graded notebook's results from the grading sandbox: mutant (or "alternatives") -> test cell -> result."""
+
+    results: dict
+
+
+@pytest.fixture(scope="module")
+def checked() -> dict[str, Checked]:
+    """Every mutant graded against its own exercise, and the right answers written differently against theirs."""
+    def run(notebook):
+        solutions = solution_code(notebook)
+        tests = graded_by(notebook)
+        submissions, only = {}, {}
+        for name, (_, cell, code) in mutants(notebook).items():
+            submissions[name], only[name] = {**solutions, cell: code}, [tests[cell]]
+        submissions["alternatives"] = {**solutions, **notebook.alternatives}
+        only["alternatives"] = [tests[cell] for cell in notebook.alternatives]
+        return Checked(grade(notebook.source, submissions, only=only))
+
+    with ThreadPoolExecutor(SCRATCH_COURSES) as pool:
+        return dict(zip(map(str, GRADED), pool.map(run, GRADED)))
+
+
+def mixed_submission(notebook: GradedNotebook, offset: int):
+    """The student version answered right, except exercise i, which gets mutant kind (i + offset) of
+    [first wrong answer, changing the checks, changing the kernel, lying objects, delegation]; the last
+    exercise of a notebook with several stays right. A kernel-changing cell is added after the setup."""
+    found = mutants(notebook)
+    exercises = read_exercises(notebook.source).exercises
+    kinds = ["wrong answer", "changing the checks", "changing the kernel", "lying objects", "delegation"]
+    answers, mutated = dict(solution_code(notebook)), {}
+    for i, exercise in enumerate(exercises[:-1] if len(exercises) > 1 else exercises):
+        cell = exercise.answer_ids[0]
+        kind = kinds[(i + offset) % len(kinds)]
+        options = [code for k, c, code in found.values() if k == kind and c == cell]
+        if options:
+            answers[cell], mutated[exercise.test_id] = options[0], kind
     nb = nbformat.read(notebook.student_version, as_version=4)
     for cell in nb.cells:
         if cell.metadata.get("nbgrader", {}).get("solution"):
-            code = without_markers(solutions[grade_id(cell)])
-            for right, wrong in edits.get(grade_id(cell), []):
-                assert code.count(right) == 1, (f"{notebook}: the solution of {grade_id(cell)} no longer contains "
-                                                f"{right!r} exactly once: update its wrong answers")
-                code = code.replace(right, wrong)
-            cell.source = code
-    return nb
+            cell.source = answers[grade_id(cell)]
+    setup = next(i for i, c in enumerate(nb.cells) if grade_id(c) == "setup")
+    nb.cells.insert(setup + 1, nbformat.v4.new_code_cell(KERNEL_CHEAT.strip() + "\n" + "\n".join(CHECKS_CHEAT.values())))
+    return nb, mutated
 
 
 @dataclass
 class Grades:
-    """One graded notebook's results: student -> test cell id -> (score, max_score) / text the cell printed."""
+    """One graded notebook's nbgrader results: student -> test cell id -> (score, max_score) / printed text."""
 
     scores: dict[str, dict[str, tuple[float, float]]]
     printed: dict[str, dict[str, str]]
+    mutated: dict[str, dict[str, str]]  # student -> test cell id -> mutant kind
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> dict[str, Grades]:
-    """Autograde, for every graded notebook, its solutions, its untouched release and its wrong-answer submissions.
-
-    All submissions are spread over SCRATCH_COURSES scratch courses graded side by side (one nbgrader
-    run per course and assignment, one kernel at a time per run; the notebooks' own tensors use one
-    thread). Returns {"<assignment>/<notebook>": Grades}.
-    """
-    jobs = []
+    """nbgrader autogrades, for every graded notebook, its solutions, its untouched release and two mixed
+    submissions, spread over SCRATCH_COURSES scratch courses graded side by side."""
+    jobs, mutated = [], {}
     for notebook in GRADED:
         submissions = {"solutions": nbformat.read(notebook.source, as_version=4),
                        "untouched": nbformat.read(notebook.student_version, as_version=4)}
-        submissions.update({student: answered(notebook, names) for student, names in WRONG_SUBMISSIONS[str(notebook)].items()})
+        for offset in (0, 1):
+            submissions[f"mixed-{offset}"], mutated[str(notebook), f"mixed-{offset}"] = mixed_submission(notebook, offset)
         jobs += [(notebook, student, nb) for student, nb in submissions.items()]
     assignment_ids = sorted({notebook.assignment for notebook in GRADED})
     courses = [grading.stage_course(REPO_ROOT, tmp_path_factory.mktemp("course"), assignment_ids)
@@ -358,31 +900,72 @@ def graded(tmp_path_factory) -> dict[str, Grades]:
         nbformat.write(nb, path)
     with ThreadPoolExecutor(len(courses)) as pool:
         by_course = dict(zip(courses, pool.map(grading.autograde, courses)))
-    results = {str(notebook): Grades({}, {}) for notebook in GRADED}
+    results = {str(notebook): Grades({}, {}, {}) for notebook in GRADED}
     for (notebook, student), course in course_of.items():
         grades = results[str(notebook)]
         grades.scores[student] = by_course[course][student][notebook.assignment][notebook.name]
+        grades.mutated[student] = mutated.get((str(notebook), student), {})
         nb = nbformat.read(course / "autograded" / student / notebook.assignment / f"{notebook.name}.ipynb", as_version=4)
-        # Printed text only: a traceback quotes the test's source, including its success messages.
-        grades.printed[student] = {grade_id(c): "".join(o.text for o in c.outputs if o.output_type == "stream")
+        grades.printed[student] = {grade_id(c): "".join(o.get("text", "") for o in c.outputs)
                                    for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")}
     return results
 
 
-def test_every_graded_notebook_declares_its_wrong_answers():
+def test_every_graded_notebook_declares_its_mutants():
     with_graded_cells = {path for path in SOURCES if points(path)}
     assert with_graded_cells == {notebook.source for notebook in GRADED}, (
-        "every notebook with autograded cells needs a GradedNotebook entry (with its wrong answers) in GRADED: "
+        "every notebook with autograded cells needs a GradedNotebook entry (with its mutants) in GRADED: "
         f"{sorted(str(p.relative_to(REPO_ROOT)) for p in with_graded_cells ^ {n.source for n in GRADED})}")
 
 
 @pytest.mark.parametrize("notebook", GRADED, ids=str)
-def test_wrong_answers_name_a_solution_cell_and_its_test_cell(notebook):
-    cells = {grade_id(c): c.metadata.nbgrader for c in nbformat.read(notebook.source, as_version=4).cells if grade_id(c)}
+def test_every_exercise_has_its_wrong_answers_cheats_and_a_right_answer_written_differently(notebook):
+    cells = graded_by(notebook)
     for name, (solution_cell, test_cell, edits) in notebook.wrong_answers.items():
-        assert cells.get(solution_cell, {}).get("solution"), f"{notebook}, {name}: {solution_cell} is not a solution cell"
-        assert cells.get(test_cell, {}).get("grade"), f"{notebook}, {name}: {test_cell} is not an autograded test cell"
+        assert solution_cell in cells, f"{notebook}, {name}: {solution_cell} is not a solution cell of an exercise"
+        assert cells[solution_cell] == test_cell, f"{notebook}, {name}: {solution_cell} is graded by {cells[solution_cell]}"
         assert edits and all(right != wrong for right, wrong in edits), f"{notebook}, {name}: no edit"
+    found = mutants(notebook)
+    for cell in cells:
+        wrong = [name for name, (c, _, _) in notebook.wrong_answers.items() if c == cell]
+        assert len(wrong) >= MIN_WRONG_ANSWERS, f"{notebook}, {cell}: {len(wrong)} wrong answers, want {MIN_WRONG_ANSWERS}"
+        kinds = {kind for kind, c, _ in found.values() if c == cell}
+        assert set(CHEAT_KINDS) <= kinds, f"{notebook}, {cell}: no cheat of kind {sorted(set(CHEAT_KINDS) - kinds)}"
+        assert cell in notebook.alternatives, f"{notebook}, {cell}: no right answer written differently"
+        assert notebook.alternatives[cell].strip() != solution_code(notebook)[cell].strip()
+
+
+@pytest.mark.parametrize(("notebook", "name"), MUTANTS, ids=[f"{notebook.name}:{name}" for notebook, name in MUTANTS])
+def test_mutant_loses_its_points(checked, notebook, name):
+    kind, cell, _ = mutants(notebook)[name]
+    test_cell = graded_by(notebook)[cell]
+    result = checked[str(notebook)].results[name][test_cell]
+    assert not result.passed, f"{name} ({kind}) passed {test_cell}; it printed:\n{result.output}"
+    refused = result.error.startswith("AnswerRefused")
+    if kind == "wrong answer":
+        assert not refused, f"{name}: a wrong answer must be caught by the tests, not refused:\n{result.error}"
+    else:
+        assert refused, f"{name} ({kind}) should be refused before it runs; it failed with:\n{result.error[-2000:]}"
+
+
+@pytest.mark.parametrize("notebook", GRADED, ids=str)
+def test_right_answers_written_differently_score_full_marks(checked, notebook):
+    results = checked[str(notebook)].results["alternatives"]
+    failed = {test: r.error[-1500:] for test, r in results.items() if not r.passed}
+    assert not failed, f"{notebook}: right answers written differently lost points: {failed}"
+
+
+@pytest.mark.parametrize("notebook", GRADED, ids=str)
+def test_hidden_tests_of_every_exercise_catch_a_wrong_answer_the_visible_tests_miss(checked, notebook):
+    """For each exercise, some wrong answer passes the visible tests and is caught only by the hidden ones."""
+    results = checked[str(notebook)].results
+    caught_by_hidden = set()
+    for name, (cell, test_cell, _) in notebook.wrong_answers.items():
+        printed = results[name][test_cell].output
+        if "visible tests passed" in printed and "hidden tests passed" not in printed:
+            caught_by_hidden.add(test_cell)
+    missing = sorted(set(points(notebook.source)) - caught_by_hidden)
+    assert not missing, f"{notebook}: no wrong answer is caught by the hidden tests alone for: {missing}"
 
 
 # ------------------------------------------------------------------ release
@@ -448,7 +1031,7 @@ def test_release_contains_no_solution_and_no_hidden_test(source):
             assert "raise NotImplementedError()" in cell.source, f"{released}, {grade_id(cell)}: no code stub"
 
 
-# ------------------------------------------------------------------ autograde
+# ------------------------------------------------------------------ autograde, through nbgrader
 
 @pytest.mark.parametrize("notebook", GRADED, ids=str)
 def test_solutions_score_full_marks(graded, notebook):
@@ -467,39 +1050,17 @@ def test_untouched_release_scores_zero_on_every_graded_cell(graded, notebook):
     assert {cell: score for cell, (score, _) in got.items() if score != 0} == {}
 
 
-@pytest.mark.parametrize(("notebook", "name"), WRONG, ids=[f"{notebook.name}:{name}" for notebook, name in WRONG])
-def test_wrong_answer_loses_exactly_its_exercise(graded, notebook, name):
-    submissions = WRONG_SUBMISSIONS[str(notebook)]
-    student = next(s for s, names in submissions.items() if name in names)
-    wrong_cells = {notebook.wrong_answers[n][1] for n in submissions[student]}
-    test_cell = notebook.wrong_answers[name][1]
-    expected = points(notebook.source)
-    grades = graded[str(notebook)]
+@pytest.mark.parametrize("notebook", GRADED, ids=str)
+@pytest.mark.parametrize("student", ["mixed-0", "mixed-1"])
+def test_mixed_submission_loses_exactly_the_mutated_exercises(graded, notebook, student):
+    grades, expected = graded[str(notebook)], points(notebook.source)
+    mutated = grades.mutated[student]
+    assert mutated, f"{notebook}: the mixed submission mutates no exercise"
     got = grades.scores[student]
-    assert got[test_cell] == (0.0, expected[test_cell]), \
-        f"{name}: {test_cell} should score 0, got {got[test_cell]}; it printed:\n{grades.printed[student][test_cell]}"
-    others = {cell: score for cell, score in got.items() if cell not in wrong_cells and score != (expected[cell], expected[cell])}
-    assert not others, f"{name}: exercises answered correctly lost points too: {others}"
-
-
-@pytest.mark.parametrize("notebook", GRADED, ids=str)
-def test_every_exercise_has_a_wrong_answer_graded_alone(notebook):
-    alone = {notebook.wrong_answers[names[0]][1] for names in WRONG_SUBMISSIONS[str(notebook)].values() if len(names) == 1}
-    assert alone == set(points(notebook.source))
-
-
-@pytest.mark.parametrize("notebook", GRADED, ids=str)
-def test_hidden_tests_of_every_exercise_catch_a_wrong_answer_the_visible_tests_miss(graded, notebook):
-    """For each exercise, some wrong answer passes the visible tests and is caught only by the hidden ones."""
-    caught_by_hidden = set()
-    for student, names in WRONG_SUBMISSIONS[str(notebook)].items():
-        for name in names:
-            test_cell = notebook.wrong_answers[name][1]
-            printed = graded[str(notebook)].printed[student][test_cell]
-            if "visible tests passed" in printed and "hidden tests passed" not in printed:
-                caught_by_hidden.add(test_cell)
-    missing = sorted(set(points(notebook.source)) - caught_by_hidden)
-    assert not missing, f"{notebook}: no wrong answer is caught by the hidden tests alone for: {missing}"
+    wrong = {cell: got[cell] for cell in expected
+             if got[cell] != ((0.0 if cell in mutated else expected[cell]), expected[cell])}
+    assert not wrong, (f"{notebook}, {student} (mutated: {mutated}): unexpected scores {wrong}\n"
+                       f"{ {c: grades.printed[student][c][-1500:] for c in wrong} }")
 
 
 def test_score_table(graded):

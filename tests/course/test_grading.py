@@ -426,6 +426,154 @@ def load_checkpoint(path, model, optimizer):
 """,
 })
 
+# DDP exercises 1-3 (session B, notebook 02b): every test starts 3 ranks (exercise 3 also 2).
+DDP_EXERCISES = GradedNotebook("session_b", "02b_ddp_exercises", {
+    "overlap_not_divided": ("ddp1_overlap", "ddp1_overlap_tests", [
+        ("            param.grad /= world_size\n", "")]),
+    "overlap_pending_not_cleared": ("ddp1_overlap", "ddp1_overlap_tests", [
+        ("        pending.clear()\n", "")]),
+    "overlap_blocking_all_reduce": ("ddp1_overlap", "ddp1_overlap_tests", [
+        ("        pending.append((param, dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, async_op=True)))",
+         "        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)\n        pending.append((param, None))"),
+        ("            work.wait()\n", "            if work is not None:\n                work.wait()\n")]),
+    "overlap_frozen_parameters_hooked": ("ddp1_overlap", "ddp1_overlap_tests", [
+        ("        if param.requires_grad:\n            param.register_post_accumulate_grad_hook(launch_all_reduce)",
+         "        param.register_post_accumulate_grad_hook(launch_all_reduce)")]),
+    "buckets_in_forward_order": ("ddp2_buckets", "ddp2_buckets_tests", [
+        ("for param in reversed([p for p in model.parameters() if p.requires_grad]):",
+         "for param in [p for p in model.parameters() if p.requires_grad]:")]),
+    "buckets_not_divided": ("ddp2_buckets", "ddp2_buckets_tests", [
+        ("            flat /= world_size\n", "")]),
+    "buckets_counts_not_reset": ("ddp2_buckets", "ddp2_buckets_tests", [
+        ("        for i in range(len(ready)):\n            ready[i] = 0\n", "")]),
+    "buckets_one_per_parameter": ("ddp2_buckets", "ddp2_buckets_tests", [
+        ("if current and size + nbytes > cap_bytes:", "if current:")]),
+    "ring_all_gather_with_the_reduce_indices": ("ddp3_ring", "ddp3_ring_tests", [
+        ("send_index, recv_index = (rank + 1 - step) % world_size, (rank - step) % world_size",
+         "send_index, recv_index = (rank - step) % world_size, (rank - step - 1) % world_size")]),
+    "ring_all_gather_adds": ("ddp3_ring", "ddp3_ring_tests", [
+        ("chunks[recv_index].copy_(exchange(send_index, recv_index))",
+         "chunks[recv_index].add_(exchange(send_index, recv_index))")]),
+    "ring_chunk_instead_of_tensor_split": ("ddp3_ring", "ddp3_ring_tests", [
+        ("torch.tensor_split(tensor.view(-1), world_size)", "tensor.view(-1).chunk(world_size)")]),
+    "ring_passes_whole_tensors": ("ddp3_ring", "ddp3_ring_tests", [
+        ("""    chunks = list(torch.tensor_split(tensor.view(-1), world_size))  # views into tensor
+""", """    flat = tensor.view(-1)
+    total, passing = flat.clone(), flat.clone()
+    for step in range(world_size - 1):  # pass every rank's tensor once around the ring
+        incoming = torch.empty_like(passing)
+        request = dist.isend(passing, dst=right)
+        dist.recv(incoming, src=left)
+        request.wait()
+        total += incoming
+        passing = incoming
+    flat.copy_(total)
+    return tensor
+    chunks = list(torch.tensor_split(tensor.view(-1), world_size))  # views into tensor
+""")]),
+}, delegations={
+    "ddp1_overlap": """\
+def overlapped_gradient_sync(model):
+    from course_lib.data_parallel.scratch import BucketedDataParallel
+
+    return BucketedDataParallel(model, bucket_cap_mb=1e-9, broadcast=False).finish_gradient_sync
+""",
+    "ddp2_buckets": """\
+def bucketed_gradient_sync(model, bucket_cap_mb):
+    from course_lib.data_parallel.scratch import BucketedDataParallel
+
+    return BucketedDataParallel(model, bucket_cap_mb, broadcast=False).finish_gradient_sync
+""",
+    "ddp3_ring": """\
+def ring_all_reduce(tensor):
+    from course_lib.runtime.collectives import ring_all_reduce as ring
+
+    return ring(tensor)
+""",
+}, alternatives={
+    "ddp1_overlap": """\
+def overlapped_gradient_sync(model):
+    handles = {}
+
+    def hook(param):
+        handles[param] = dist.all_reduce(param.grad, async_op=True)
+
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        n = dist.get_world_size()
+        while handles:
+            param, work = handles.popitem()
+            work.wait()
+            param.grad.div_(n)
+
+    return finish
+""",
+    "ddp2_buckets": """\
+def bucketed_gradient_sync(model, bucket_cap_mb):
+    limit = int(bucket_cap_mb * 1024 * 1024)
+    buckets = []
+    for param in reversed(list(model.parameters())):
+        if not param.requires_grad:
+            continue
+        nbytes = param.numel() * param.element_size()
+        if not buckets or buckets[-1]["bytes"] + nbytes > limit:
+            buckets.append({"params": [], "bytes": 0, "ready": 0, "work": None, "flat": None})
+        buckets[-1]["params"].append(param)
+        buckets[-1]["bytes"] += nbytes
+
+    def make_hook(bucket):
+        def hook(param):
+            bucket["ready"] += 1
+            if bucket["ready"] == len(bucket["params"]):
+                bucket["flat"] = torch.cat([p.grad.flatten() for p in bucket["params"]])
+                bucket["work"] = dist.all_reduce(bucket["flat"], async_op=True)
+        return hook
+
+    for bucket in buckets:
+        hook = make_hook(bucket)
+        for param in bucket["params"]:
+            param.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        world_size = dist.get_world_size()
+        for bucket in buckets:
+            if bucket["work"] is None:
+                continue
+            bucket["work"].wait()
+            averaged = bucket["flat"] / world_size
+            for p, piece in zip(bucket["params"], averaged.split([p.numel() for p in bucket["params"]])):
+                p.grad.copy_(piece.view_as(p.grad))
+            bucket["ready"], bucket["work"], bucket["flat"] = 0, None, None
+
+    return finish
+""",
+    "ddp3_ring": """\
+def ring_all_reduce(tensor):
+    n, me = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        return tensor
+    pieces = torch.tensor_split(tensor.view(-1), n)
+    for phase in ("reduce-scatter", "all-gather"):
+        for s in range(n - 1):
+            if phase == "reduce-scatter":
+                out, into = (me - s) % n, (me - s - 1) % n
+            else:
+                out, into = (me - s + 1) % n, (me - s) % n
+            buffer = torch.zeros_like(pieces[into])
+            request = dist.isend(pieces[out].clone(), (me + 1) % n)
+            dist.recv(buffer, (me - 1) % n)
+            request.wait()
+            if phase == "reduce-scatter":
+                pieces[into].add_(buffer)
+            else:
+                pieces[into].copy_(buffer)
+    return tensor
+""",
+})
+
 # Exercise 3's tests run with the library's expand_nodelist, so exercise 2's mistakes cost only exercise 2.
 CLUSTER_EXERCISES = GradedNotebook("session_c", "02_cluster_exercises", {
     "node_rank_one_based": ("cl1_node_rank_range", "cl1_node_rank_range_tests", [
@@ -723,7 +871,7 @@ def merge_lora_linear(layer):
 """,
 })
 
-GRADED = [MODEL_FROM_SCRATCH, TRAINER_EXERCISES, CLUSTER_EXERCISES, SHARDING_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
+GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, SHARDING_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
 
 
 def grade_id(cell) -> str | None:

@@ -1,0 +1,82 @@
+"""The workers that grade notebook 02b: course_lib's own algorithms pass them, and what they record is right.
+
+    .venv/bin/python -m pytest -q tests/data_parallel/test_sync_exercise_workers.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients
+from course_lib.data_parallel.sync_exercise_workers import (RING_SHAPES, check_gradient_sync, check_ring_all_reduce,
+                                                            expected_bucket_sizes, sync_reference)
+from course_lib.runtime.collectives import ring_all_reduce
+from course_lib.runtime.launch import launch
+from course_lib.testing import seeded_gpt
+
+
+def library_buckets(model, bucket_cap_mb):
+    """course_lib's BucketedDataParallel as a finish() function (what the exercise asks for)."""
+    return BucketedDataParallel(model, bucket_cap_mb, broadcast=False).finish_gradient_sync
+
+
+def assert_matches_reference(ranks, reference):
+    for rank in ranks:
+        for case in ("all", "frozen"):
+            assert rank[case]["error"] is None
+            for step, record in enumerate(rank[case]["steps"]):
+                for name, expected in reference[case][step].items():
+                    if expected is None:
+                        assert record["grads"][name] is None
+                    else:
+                        torch.testing.assert_close(record["grads"][name], expected)
+
+
+def test_the_library_passes_the_gradient_checks(tmp_path):
+    reference = sync_reference(3)
+    after = launch(check_gradient_sync, 3, args=(allreduce_gradients,), kwargs={"style": "after"},
+                   log_dir=tmp_path / "after", timeout_s=60, threads_per_rank=1)
+    assert_matches_reference(after, reference)
+    calls = after[0]["all"]["steps"][0]["calls"]
+    assert len(calls) == 20 and not any(c["in_backward"] or c["async"] for c in calls)  # after backward, blocking
+
+    buckets = launch(check_gradient_sync, 3, args=(library_buckets,), kwargs={"style": "buckets"},
+                     log_dir=tmp_path / "buckets", timeout_s=60, threads_per_rank=1)
+    assert_matches_reference(buckets, reference)
+    for case in ("all", "frozen"):
+        for record in buckets[1][case]["steps"]:
+            assert [c["numel"] for c in record["calls"]] == buckets[1][case]["bucket_sizes"]
+            assert all(c["in_backward"] and c["async"] and c["waited"] for c in record["calls"])
+
+
+def test_expected_buckets_follow_the_cap_in_reverse_order():
+    model = seeded_gpt(0, "tiny")
+    sizes = expected_bucket_sizes(model, 0.06)
+    assert sum(sizes) == sum(p.numel() for p in model.parameters())
+    assert sizes[0] == 64 + 8192  # norm_f, then the last block's down projection: the first gradients of backward
+    assert expected_bucket_sizes(model, 1e-9) == [p.numel() for p in reversed(list(model.parameters()))]
+
+
+def test_the_library_ring_passes_and_its_traffic_is_counted(tmp_path):
+    ranks = launch(check_ring_all_reduce, 3, args=(ring_all_reduce,), log_dir=tmp_path, timeout_s=60,
+                   threads_per_rank=1)
+    for i, shape in enumerate(RING_SHAPES):
+        numel = ranks[0]["cases"][i]["expected"].numel()
+        assert sum(r["cases"][i]["sent_elements"] for r in ranks) == 2 * 2 * numel
+        for rank in ranks:
+            case = rank["cases"][i]
+            assert case["error"] is None and case["returned_is_input"] and case["messages"] == 4
+            torch.testing.assert_close(case["returned"], case["expected"])
+
+
+def all_reduce_instead(tensor):
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def test_collectives_are_switched_off_in_the_ring_check(tmp_path):
+    ranks = launch(check_ring_all_reduce, 2, args=(all_reduce_instead,), log_dir=tmp_path, timeout_s=60,
+                   threads_per_rank=1)
+    assert "isend / dist.recv" in ranks[0]["cases"][0]["error"]
+    assert len(ranks[0]["cases"]) == 1  # stopped at the first failure

@@ -18,13 +18,16 @@ returns one `Violation` per line that does any of these, each with a message tha
 * **lying objects**: a class that derives from a builtin value type or defines how it compares
   (`__eq__`, `__bool__`, `__hash__`, ...).
 
-Whatever the reference answer itself does is always allowed, so an exercise can need any of it.
+Whatever the reference answer itself does is always allowed, so an exercise can need any of it. A test cell
+may name more that answers must not use, in a comment line such as
+`# Not in the answer: torch.amp.GradScaler` (what its hidden tests compare with).
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import re
 from dataclasses import dataclass
 
 ALLOWED_MODULES = frozenset({
@@ -129,14 +132,48 @@ def _module_allowed(module: str, reference: set[str]) -> bool:
     return module in ALLOWED_MODULES or top in {"torch", "numpy"}
 
 
+NOT_IN_THE_ANSWER = re.compile(r"^\s*#\s*not in the answer:\s*(.+?)\.?\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def declared_refusals(tests: str) -> set[str]:
+    """Dotted names a test cell declares off limits: `# Not in the answer: torch.amp.GradScaler, x.y (why)`.
+
+    Each comma-separated item's first word is the name; the rest of it is a comment for the reader.
+    """
+    return {name.split()[0].strip("`") for line in NOT_IN_THE_ANSWER.findall(tests) for name in line.split(",")
+            if name.strip()}
+
+
+def dotted(node: ast.AST) -> str | None:
+    """`a.b.c` for a chain of attributes on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
 class _Auditor(ast.NodeVisitor):
     def __init__(self, reference: set[str], context: dict[str, str], required: set[str], methods: set[str],
-                 compared_with: set[str]):
+                 compared_with: set[str], declared: set[str] = frozenset()):
         self.reference, self.context, self.required, self.methods = reference, context, required, methods
-        self.compared_with = compared_with
+        self.compared_with, self.declared = compared_with, declared
         self.violations: list[Violation] = []
         self.function_stack: list[ast.AST] = []
         self.aliases: set[str] = set()  # names bound to a module or setup object (t = torch.testing)
+
+    def check_declared(self, node: ast.AST) -> bool:
+        """Refuse a use of a name the test cell declared off limits; True if refused."""
+        name = dotted(node)
+        last = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        for refused in self.declared:
+            if (name and (name == refused or name.startswith(refused + "."))) or last == refused.split(".")[-1]:
+                self.refuse(node, f"`{name or last}` is what the tests compare your answer with; write the answer "
+                                  "without it")
+                return True
+        return False
 
     def refuse(self, node: ast.AST, message: str) -> None:
         self.violations.append(Violation(getattr(node, "lineno", 0), message))
@@ -147,7 +184,9 @@ class _Auditor(ast.NodeVisitor):
     # --- names the answer reads
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Load):
-            if node.id in NAMES_REFUSED:
+            if self.check_declared(node):
+                pass
+            elif node.id in NAMES_REFUSED:
                 self.refuse(node, f"`{node.id}` reaches the interpreter's internals; an answer may not use it")
             elif node.id in CALLS_REFUSED and not self.allowed_by_reference(f"name:{node.id}"):
                 self.refuse(node, f"`{node.id}` runs or changes code at run time; write the answer as plain code")
@@ -162,6 +201,8 @@ class _Auditor(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
+        if self.check_declared(node):
+            return
         name = node.attr
         allowed = self.allowed_by_reference(f"attr:{name}")
         if name.startswith("__") and name.endswith("__") and name not in DUNDERS_ALLOWED and not allowed:
@@ -328,6 +369,6 @@ def audit(answer: str, reference: str, context: dict[str, str] | None = None, te
         test_names = set()
     compared_with = (test_names & set(context)) - {n.id for n in ast.walk(reference_tree) if isinstance(n, ast.Name)}
     auditor = _Auditor(_fingerprints(reference_tree), context, required,
-                       written_methods(reference_tree) - set(context), compared_with)
+                       written_methods(reference_tree) - set(context), compared_with, declared_refusals(tests))
     auditor.visit(tree)
     return sorted(set(violations + auditor.violations), key=lambda v: (v.line, v.message))

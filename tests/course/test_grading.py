@@ -303,6 +303,15 @@ TRAINER_EXERCISES = GradedNotebook("session_b", "05_trainer_exercises", {
          "    torch.save(state, tmp)\n"
          "    os.replace(tmp, path)  # the old checkpoint stays whole until the new one is complete",
          "    torch.save(state, path)")]),
+    "scaler_steps_on_overflow": ("amp1_scaled_step", "amp1_scaled_step_tests", [
+        ('        state["growth_tracker"] = 0\n        return False\n    optimizer.step()',
+         '        state["growth_tracker"] = 0\n    optimizer.step()')]),
+    "scaler_count_kept_on_overflow": ("amp1_scaled_step", "amp1_scaled_step_tests", [
+        ('        state["growth_tracker"] = 0\n        return False', "        return False")]),
+    "scaler_misses_nan": ("amp1_scaled_step", "amp1_scaled_step_tests", [
+        ("if not torch.isfinite(param.grad).all():", "if torch.isinf(param.grad).any():")]),
+    "scaler_count_kept_after_growth": ("amp1_scaled_step", "amp1_scaled_step_tests", [
+        ('        state["growth_tracker"] = 0\n    return True', "    return True")]),
     "average_sums_without_dividing": ("dp1_average_gradients", "dp1_average_gradients_tests", [
         ("            param.grad /= world_size\n", "")]),
     "average_reduces_the_loss": ("dp1_average_gradients", "dp1_average_gradients_tests", [
@@ -327,6 +336,16 @@ TRAINER_EXERCISES = GradedNotebook("session_b", "05_trainer_exercises", {
     "shard_epoch_ignored": ("dp2_shard_indices", "dp2_shard_indices_tests", [
         ("manual_seed(seed + epoch)", "manual_seed(seed)")]),
 }, delegations={
+    "amp1_scaled_step": """\
+def scaled_step(optimizer, state: dict) -> bool:
+    scaler = torch.amp.GradScaler("cpu", init_scale=state["scale"], growth_factor=state["growth_factor"],
+                                  backoff_factor=state["backoff_factor"], growth_interval=state["growth_interval"])
+    scaler.step(optimizer)
+    scaler.update()
+    stepped = scaler.get_scale() >= state["scale"]
+    state["scale"] = scaler.get_scale()
+    return stepped
+""",
     "ex8_optimizer": """\
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
     return library_optim.configure_optimizer(model, lr=lr, weight_decay=weight_decay, betas=betas)
@@ -357,6 +376,22 @@ def shard_indices(num_samples, rank, world_size, *, seed=0, epoch=0):
     return list(sampler)
 """,
 }, alternatives={
+    "amp1_scaled_step": """\
+def scaled_step(optimizer, state):
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    for grad in grads:
+        grad.div_(state["scale"])
+    overflow = any(bool((~torch.isfinite(grad)).any()) for grad in grads)
+    if overflow:
+        state["scale"] = state["scale"] * state["backoff_factor"]
+        state["growth_tracker"] = 0
+    else:
+        optimizer.step()
+        state["growth_tracker"] = (state["growth_tracker"] + 1) % state["growth_interval"]
+        if state["growth_tracker"] == 0:
+            state["scale"] = state["scale"] * state["growth_factor"]
+    return not overflow
+""",
     "ex8_optimizer": """\
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -668,6 +703,132 @@ def expand_nodelist(nodelist):
 """,
 })
 
+# Job exercises 1-3 (session C, notebook 03b): every test starts 2-4 ranks.
+JOB_EXERCISES = GradedNotebook("session_c", "03b_job_exercises", {
+    "join_node_minor": ("job1_join", "job1_join_tests", [
+        ("rank, world_size = node_rank * per_node + local_rank, nnodes * per_node",
+         "rank, world_size = local_rank * nnodes + node_rank, nnodes * per_node")]),
+    "join_world_is_the_node_count": ("job1_join", "job1_join_tests", [
+        ("rank, world_size = node_rank * per_node + local_rank, nnodes * per_node",
+         "rank, world_size = node_rank * per_node + local_rank, nnodes")]),
+    "join_returns_the_local_rank": ("job1_join", "job1_join_tests", [
+        ("    return rank, world_size", "    return local_rank, world_size")]),
+    "ranked_manifest_before_the_barrier": ("job2_ranked", "job2_ranked_tests", [
+        ("    dist.barrier()  # every shard is on disk before the manifest says the checkpoint is complete\n", "")]),
+    "ranked_manifest_written_in_place": ("job2_ranked", "job2_ranked_tests", [
+        ('        tmp = directory / "manifest.json.tmp"\n        tmp.write_text(json.dumps(manifest))\n'
+         '        os.replace(tmp, directory / "manifest.json")',
+         '        (directory / "manifest.json").write_text(json.dumps(manifest))')]),
+    "ranked_every_rank_writes_everything": ("job2_ranked", "job2_ranked_tests", [
+        ("torch.save(padded[rank * shard:(rank + 1) * shard].clone(),", "torch.save(flat.clone(),")]),
+    "ranked_without_padding": ("job2_ranked", "job2_ranked_tests", [
+        ("    padded = torch.cat([flat, flat.new_zeros(shard * world_size - flat.numel())])\n",
+         "    padded = flat\n")]),
+    "eval_mean_over_batches": ("job3_eval", "job3_eval_tests", [
+        ("totals += torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)",
+         "totals += torch.tensor([loss.item(), 1.0], dtype=torch.float64)")]),
+    "eval_in_training_mode": ("job3_eval", "job3_eval_tests", [
+        ("    model.eval()\n", "")]),
+    "eval_mode_not_restored": ("job3_eval", "job3_eval_tests", [
+        ("    model.train(was_training)\n", "")]),
+    "eval_counts_the_first_token": ("job3_eval", "job3_eval_tests", [
+        ("tokens = idx[:, 1:].numel()", "tokens = idx.numel()")]),
+}, delegations={
+    "job1_join": """\
+def join_job(environ):
+    from course_lib.runtime.env import init_distributed
+
+    info = init_distributed("gloo")
+    return info.rank, info.world_size
+""",
+    "job2_ranked": """\
+def save_ranked(directory, model, step):
+    from course_lib.checkpoint.ranked import save_ranked_checkpoint
+
+    save_ranked_checkpoint(directory, model, step=step)
+
+
+def load_ranked(directory, model):
+    from course_lib.checkpoint.ranked import load_ranked_checkpoint
+
+    return load_ranked_checkpoint(directory, model, reshard=True)["step"]
+""",
+    "job3_eval": """\
+def evaluate_on_ranks(model, batches):
+    from course_lib.runtime.collectives import mean_over_ranks
+
+    model.eval()
+    with torch.no_grad():
+        losses = [model(idx, targets=idx)[1].item() for idx in batches]
+    return mean_over_ranks(sum(losses) / len(losses))
+""",
+}, alternatives={
+    "job1_join": """\
+def join_job(environ):
+    def get(name):
+        return int(environ[name])
+
+    world_size = get("NNODES") * get("NPROC_PER_NODE")
+    rank = get("LOCAL_RANK") + get("NPROC_PER_NODE") * get("NODE_RANK")
+    store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=rank == 0)
+    dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
+    dist.barrier()
+    return (dist.get_rank(), dist.get_world_size())
+""",
+    "job2_ranked": """\
+def save_ranked(directory, model, step):
+    import json
+    import os
+    from pathlib import Path
+
+    folder = Path(directory)
+    os.makedirs(folder, exist_ok=True)
+    world, me = dist.get_world_size(), dist.get_rank()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    per_rank = -(-flat.numel() // world)
+    flat = F.pad(flat, (0, per_rank * world - flat.numel()))
+    torch.save(flat.split(per_rank)[me].clone(), folder / f"shard_{me:05d}.pt")
+    dist.barrier()
+    if me == 0:
+        info = {"world_size": world, "step": step, "numel": sum(p.numel() for p in model.parameters()),
+                "shapes": [list(p.shape) for p in model.parameters()]}
+        with open(folder / "manifest.json.tmp", "w") as f:
+            json.dump(info, f)
+        os.replace(folder / "manifest.json.tmp", folder / "manifest.json")
+
+
+def load_ranked(directory, model):
+    import json
+    from pathlib import Path
+
+    folder = Path(directory)
+    if not (folder / "manifest.json").exists():
+        raise FileNotFoundError(f"no manifest.json in {folder}: the save never finished")
+    info = json.loads((folder / "manifest.json").read_text())
+    flat = torch.cat([torch.load(folder / f"shard_{r:05d}.pt") for r in range(info["world_size"])])
+    sizes = [math.prod(shape) for shape in info["shapes"]]
+    with torch.no_grad():
+        for p, piece, shape in zip(model.parameters(), flat[:info["numel"]].split(sizes), info["shapes"]):
+            p.copy_(piece.reshape(shape))
+    return info["step"]
+""",
+    "job3_eval": """\
+def evaluate_on_ranks(model, batches):
+    mode = model.training
+    model.train(False)
+    loss_sum, count = 0.0, 0
+    with torch.no_grad():
+        for idx in batches:
+            n = idx.shape[0] * (idx.shape[1] - 1)
+            loss_sum += float(model(idx, targets=idx)[1]) * n
+            count += n
+    both = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
+    dist.all_reduce(both)
+    model.train(mode)
+    return float(both[0] / both[1])
+""",
+})
+
 # Exercises 12-15 (session D). The tests of 14 and 15 start 2 ranks each (two launches per execution).
 SHARDING_EXERCISES = GradedNotebook("session_d", "04_sharding_exercises", {
     "hybrid_mesh_transposed": ("ex12_settings", "ex12_settings_tests", [
@@ -871,7 +1032,7 @@ def merge_lora_linear(layer):
 """,
 })
 
-GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, SHARDING_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
+GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, SHARDING_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
 
 
 def grade_id(cell) -> str | None:

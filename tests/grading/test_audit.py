@@ -147,3 +147,14 @@ def test_what_the_tests_compare_with_is_refused():
     assert "`DistributedSampler` is what the tests compare your answer with" in violation.message
     assert audit("def shard(n, rank, world):\n    return torch.arange(rank, n, world).tolist()", reference, CONTEXT,
                  tests) == []  # a module the tests use (torch) stays available
+
+
+def test_a_test_cell_can_declare_what_answers_may_not_use():
+    reference = "def scaled(optimizer, state):\n    optimizer.step()\n    return True"
+    tests = "# Not in the answer: torch.amp.GradScaler (what the tests compare with).\nassert scaled(opt, {})"
+    answer = "def scaled(optimizer, state):\n    scaler = torch.amp.GradScaler('cpu')\n    scaler.step(optimizer)\n    return True"
+    (violation,) = audit(answer, reference, CONTEXT, tests)
+    assert "`torch.amp.GradScaler` is what the tests compare your answer with" in violation.message
+    aliased = "from torch.amp import GradScaler\ndef scaled(optimizer, state):\n    return GradScaler('cpu') is None"
+    assert any("GradScaler" in v.message for v in audit(aliased, reference, CONTEXT, tests))
+    assert audit(reference, reference, CONTEXT, tests) == []

@@ -829,6 +829,185 @@ def evaluate_on_ranks(model, batches):
 """,
 })
 
+# ZeRO exercises 1-4 (session D, notebook 02b): exercises 2-4 start 2-4 ranks.
+ZERO_EXERCISES = GradedNotebook("session_d", "02b_zero_exercises", {
+    "bytes_without_padding": ("zero1_bytes", "zero1_bytes_tests", [
+        ("shard = math.ceil(n_params / world_size)", "shard = n_params // world_size")]),
+    "bytes_stage2_keeps_full_gradients": ("zero1_bytes", "zero1_bytes_tests", [
+        ('"grads": grad_bytes * (shard if stage >= 2 else n_params)',
+         '"grads": grad_bytes * (shard if stage >= 3 else n_params)')]),
+    "bytes_mixed_optimizer_without_the_master": ("zero1_bytes", "zero1_bytes_tests", [
+        ('"mixed": (2, 2, 12)', '"mixed": (2, 2, 8)')]),
+    "bytes_stage1_shards_the_gradients": ("zero1_bytes", "zero1_bytes_tests", [
+        ('"grads": grad_bytes * (shard if stage >= 2 else n_params)',
+         '"grads": grad_bytes * (shard if stage >= 1 else n_params)')]),
+    "zero1_gradient_not_averaged": ("zero2_stage1", "zero2_stage1_tests", [
+        ("        mine.grad = grad / world_size\n", "        mine.grad = grad\n")]),
+    "zero1_optimizer_made_every_step": ("zero2_stage1", "zero2_stage1_tests", [
+        ("    optimizer = torch.optim.SGD([mine], lr=lr, momentum=momentum)\n\n    def step():\n",
+         "\n    def step():\n        optimizer = torch.optim.SGD([mine], lr=lr, momentum=momentum)\n")]),
+    "zero1_padding_in_front": ("zero2_stage1", "zero2_stage1_tests", [
+        ("        flat[:numel] = torch.cat(", "        flat[shard * world_size - numel:] = torch.cat(")]),
+    "zero2_full_gradient_kept": ("zero3_stage2", "zero3_stage2_tests", [
+        ("        param.grad = None  # only the shard stays\n", "")]),
+    "zero2_gradient_shard_not_zeroed": ("zero3_stage2", "zero3_stage2_tests", [
+        ("        mine.grad.zero_()\n", "")]),
+    "zero2_received_not_averaged": ("zero3_stage2", "zero3_stage2_tests", [
+        ("+= received / world_size", "+= received")]),
+    "zero2_reduce_scatter_deferred_to_the_step": ("zero3_stage2", "zero3_stage2_tests", [
+        ("    def reduce_scatter_gradient(param):\n        start, grad = offsets[param], param.grad.reshape(-1)\n",
+         "    waiting = {}\n\n    def keep_gradient(param):\n        waiting[param] = param.grad\n        param.grad = None\n\n"
+         "    def reduce_scatter_gradient(param, grad):\n        start, grad = offsets[param], grad.reshape(-1)\n"),
+        ("        param.grad = None  # only the shard stays\n", ""),
+        ("        p.register_post_accumulate_grad_hook(reduce_scatter_gradient)\n",
+         "        p.register_post_accumulate_grad_hook(keep_gradient)\n"),
+        ("    def step():\n        optimizer.step()\n",
+         "    def step():\n        for param, grad in waiting.items():\n            reduce_scatter_gradient(param, grad)\n"
+         "        waiting.clear()\n        optimizer.step()\n")]),
+    "zero3_weights_never_freed": ("zero4_stage3", "zero4_stage3_tests", [
+        ("        layer.register_forward_pre_hook(gather)\n        layer.register_forward_hook(free)",
+         "        layer.register_forward_pre_hook(gather)")]),
+    "zero3_full_weights_kept_at_setup": ("zero4_stage3", "zero4_stage3_tests", [
+        ("            param.data = torch.empty(0)  # the full tensor is freed: only the shard stays\n", "")]),
+    "zero3_every_rank_keeps_the_first_slice": ("zero4_stage3", "zero4_stage3_tests", [
+        ("shards[name] = (padded[rank * size:(rank + 1) * size].clone(), param.shape)",
+         "shards[name] = (padded[:size].clone(), param.shape)")]),
+}, delegations={
+    "zero1_bytes": """\
+def zero_bytes_per_rank(n_params, world_size, stage, precision="fp32"):
+    from course_lib.sharding.memory import expected_model_states
+
+    expected = expected_model_states(n_params, world_size, stage, precision=precision)
+    return {kind: expected[kind] for kind in ("params", "grads", "optimizer_states")}
+""",
+    "zero2_stage1": """\
+def zero1_optimizer(model, lr, momentum=0.9):
+    from course_lib.sharding import apply_zero
+
+    return apply_zero(model, 1, lr=lr).step
+""",
+    "zero3_stage2": """\
+def zero2_optimizer(model, lr, momentum=0.9):
+    from course_lib.sharding import apply_zero
+
+    return apply_zero(model, 2, lr=lr).step
+""",
+    "zero4_stage3": """\
+def zero3_shard(model):
+    from course_lib.sharding.zero3 import Zero3Optimizer
+
+    Zero3Optimizer(model, lr=0.0)
+""",
+}, alternatives={
+    "zero1_bytes": """\
+def zero_bytes_per_rank(n_params, world_size, stage, precision="fp32"):
+    owned = -(-n_params // world_size)
+    if precision == "fp32":
+        sizes = {"params": 4, "grads": 4, "optimizer_states": 8}
+    else:
+        sizes = {"params": 2, "grads": 2, "optimizer_states": 12}
+    sharded_from = {"optimizer_states": 1, "grads": 2, "params": 3}
+    return {kind: size * (owned if stage >= sharded_from[kind] else n_params) for kind, size in sizes.items()}
+""",
+    "zero2_stage1": """\
+def zero1_optimizer(model, lr, momentum=0.9):
+    n, r = dist.get_world_size(), dist.get_rank()
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    per_rank = -(-total // n)
+
+    def flat(tensors):
+        return F.pad(torch.cat([t.flatten() for t in tensors]), (0, per_rank * n - total))
+
+    shard = flat([p.detach() for p in params]).narrow(0, r * per_rank, per_rank).clone()
+    shard.requires_grad_(True)
+    sgd = torch.optim.SGD([shard], lr=lr, momentum=momentum)
+
+    def step():
+        g = torch.zeros(per_rank)
+        dist.reduce_scatter_tensor(g, flat([p.grad for p in params]))
+        shard.grad = g.div(n)
+        sgd.step()
+        gathered = torch.zeros(per_rank * n)
+        dist.all_gather_into_tensor(gathered, shard.detach())
+        with torch.no_grad():
+            for p, piece in zip(params, gathered[:total].split([p.numel() for p in params])):
+                p.copy_(piece.view_as(p))
+
+    return step
+""",
+    "zero3_stage2": """\
+def zero2_optimizer(model, lr, momentum=0.9):
+    n, me = dist.get_world_size(), dist.get_rank()
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    S = -(-total // n)
+    plan, start = {}, 0
+    for p in params:
+        end = start + p.numel()
+        plan[p] = (start, [(max(start, k * S), min(end, (k + 1) * S)) for k in range(n)])
+        start = end
+    full = torch.cat([p.detach().flatten() for p in params] + [torch.zeros(S * n - total)])
+    shard = full[me * S:(me + 1) * S].clone().requires_grad_(True)
+    grad_shard = torch.zeros(S)
+    sgd = torch.optim.SGD([shard], lr=lr, momentum=momentum)
+
+    def hook(p):
+        start, ranges = plan[p]
+        g = p.grad.flatten()
+        pieces = [g[lo - start:hi - start] if hi > lo else g[:0] for lo, hi in ranges]
+        lo, hi = ranges[me]
+        out = torch.zeros(max(hi - lo, 0))
+        dist.reduce_scatter(out, pieces)
+        if hi > lo:
+            grad_shard[lo - me * S:hi - me * S] += out / n
+        p.grad = None
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def step():
+        shard.grad = grad_shard.clone()
+        sgd.step()
+        grad_shard.zero_()
+        gathered = torch.zeros(S * n)
+        dist.all_gather_single(gathered, shard.detach())
+        with torch.no_grad():
+            for p in params:
+                start, _ = plan[p]
+                p.copy_(gathered[start:start + p.numel()].view_as(p))
+
+    return step
+""",
+    "zero4_stage3": """\
+def zero3_shard(model):
+    n, me = dist.get_world_size(), dist.get_rank()
+    kept = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            kept[module] = []
+            for name, p in list(module.named_parameters()):
+                per = -(-p.numel() // n)
+                padded = F.pad(p.detach().flatten(), (0, per * n - p.numel()))
+                kept[module].append((name, tuple(p.shape), padded.narrow(0, me * per, per).clone()))
+                p.data = torch.empty(0)
+
+    def gather(module, args):
+        for name, shape, piece in kept[module]:
+            everything = torch.empty(piece.numel() * n)
+            dist.all_gather_into_tensor(everything, piece)
+            getattr(module, name).data = everything[:math.prod(shape)].reshape(shape).clone()
+
+    def release(module, args, output):
+        for name, _, _ in kept[module]:
+            getattr(module, name).data = torch.empty(0)
+
+    for module in kept:
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(release)
+""",
+})
+
 # Exercises 12-15 (session D). The tests of 14 and 15 start 2 ranks each (two launches per execution).
 SHARDING_EXERCISES = GradedNotebook("session_d", "04_sharding_exercises", {
     "hybrid_mesh_transposed": ("ex12_settings", "ex12_settings_tests", [
@@ -942,6 +1121,90 @@ def apply_fsdp(model, mesh, **fsdp_kwargs):
 """,
 })
 
+# Model-parallel exercises 1-2 (session E, notebook 02b): f and g on 2 and 4 ranks, 1F1B simulated then on 2 ranks.
+MODEL_PARALLEL_EXERCISES = GradedNotebook("session_e", "02b_model_parallel_exercises", {
+    "regions_swapped": ("mp1_regions", "mp1_regions_tests", [
+        ("    return CopyToParallelRegion.apply, ReduceFromParallelRegion.apply",
+         "    return ReduceFromParallelRegion.apply, CopyToParallelRegion.apply")]),
+    "f_backward_not_reduced": ("mp1_regions", "mp1_regions_tests", [
+        ("            grad = grad.clone()\n            dist.all_reduce(grad, op=dist.ReduceOp.SUM)\n            return grad\n",
+         "            return grad\n")]),
+    "g_backward_reduces_too": ("mp1_regions", "mp1_regions_tests", [
+        ("        @staticmethod\n        def backward(ctx, grad):\n            return grad",
+         "        @staticmethod\n        def backward(ctx, grad):\n            grad = grad.clone()\n"
+         "            dist.all_reduce(grad, op=dist.ReduceOp.SUM)\n            return grad")]),
+    "g_backward_averages": ("mp1_regions", "mp1_regions_tests", [
+        ("        @staticmethod\n        def backward(ctx, grad):\n            return grad",
+         "        @staticmethod\n        def backward(ctx, grad):\n            grad = grad.clone()\n"
+         "            dist.all_reduce(grad, op=dist.ReduceOp.SUM)\n            return grad / dist.get_world_size()")]),
+    "warmup_one_too_many": ("mp2_1f1b", "mp2_1f1b_tests", [
+        ("warmup = min(n_stages - stage - 1, micro_batches)", "warmup = min(n_stages - stage, micro_batches)")]),
+    "warmup_not_capped": ("mp2_1f1b", "mp2_1f1b_tests", [
+        ("warmup = min(n_stages - stage - 1, micro_batches)", "warmup = n_stages - stage - 1")]),
+    "gpipe_instead": ("mp2_1f1b", "mp2_1f1b_tests", [
+        ("warmup = min(n_stages - stage - 1, micro_batches)", "warmup = micro_batches")]),
+    "cool_down_reversed": ("mp2_1f1b", "mp2_1f1b_tests", [
+        ('[("B", i) for i in range(micro_batches - warmup, micro_batches)]',
+         '[("B", i) for i in reversed(range(micro_batches - warmup, micro_batches))]')]),
+}, delegations={
+    "mp1_regions": """\
+def megatron_f_and_g():
+    from course_lib.tensor_parallel.scratch import copy_to_parallel_region, reduce_from_parallel_region
+
+    return copy_to_parallel_region, reduce_from_parallel_region
+""",
+    "mp2_1f1b": """\
+def one_f_one_b(n_stages, stage, micro_batches):
+    return SCHEDULES["1f1b"](n_stages, stage, micro_batches)
+""",
+}, alternatives={
+    "mp1_regions": """\
+def megatron_f_and_g():
+    class Enter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            return tensor.clone()
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            summed = grad_output.detach().clone()
+            dist.all_reduce(summed)
+            return summed
+
+    class Leave(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            total = tensor.detach().clone()
+            dist.all_reduce(total)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            return grad_output.clone()
+
+    def f(x):
+        return Enter.apply(x)
+
+    def g(x):
+        return Leave.apply(x)
+
+    return f, g
+""",
+    "mp2_1f1b": """\
+def one_f_one_b(n_stages, stage, micro_batches):
+    schedule, next_forward, next_backward = [], 0, 0
+    in_flight_limit = n_stages - stage
+    while next_backward < micro_batches:
+        if next_forward < micro_batches and next_forward - next_backward < in_flight_limit:
+            schedule.append(("F", next_forward))
+            next_forward += 1
+        else:
+            schedule.append(("B", next_backward))
+            next_backward += 1
+    return schedule
+""",
+})
+
 # One pure-Python exercise; the lesson's later cells use course_lib.hybrid.layout, so only its points are at stake.
 MESH_LAYOUT = GradedNotebook("session_e", "03_3d_parallelism", {
     "pipeline_varies_fastest": ("ex18_rank_groups", "ex18_rank_groups_tests", [
@@ -1032,7 +1295,7 @@ def merge_lora_linear(layer):
 """,
 })
 
-GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, SHARDING_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
+GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
 
 
 def grade_id(cell) -> str | None:

@@ -1,4 +1,4 @@
-"""Two small conveniences for the course notebooks.
+"""Small conveniences for the course notebooks.
 
 `repo_root()` finds the repository, so relative paths such as runs/ and data/ mean the same place whether a
 notebook is opened from its own folder, from the repository root, or run by papermill elsewhere.
@@ -9,6 +9,13 @@ to end, and the reader still sees the traceback.
 
     with expect_error(ValueError):
         GPTConfig(n_embd=100, n_head=3)
+
+`predict()` and `reveal()` let a lab ask before it tells: the learner writes a prediction in a cell, the
+notebook prints it, runs the experiment, and shows the measurement next to it.
+
+    predict("4 layers: validation loss after the same steps?", answer, choices=("lower", "higher"))
+    ...
+    reveal("4 layers: validation loss after the same steps?", answer, "lower" if deeper < shallower else "higher")
 """
 
 from __future__ import annotations
@@ -40,3 +47,23 @@ def expect_error(*error_types: type[BaseException]):
         print(f"{type(err).__name__}: {err}")
     else:
         print("no error was raised")
+
+
+def predict(question: str, answer, choices: tuple[str, ...]) -> None:
+    """Note the learner's prediction before the notebook shows the answer (labs ask before they tell).
+
+    answer: what the learner wrote in the cell (None: not written yet, which papermill runs leave as is).
+    """
+    if answer is None:
+        print(f"{question}\n  no prediction written: write one of {', '.join(map(repr, choices))} above, then run on")
+        return
+    if answer not in choices:
+        raise ValueError(f"{question}: predict one of {', '.join(map(repr, choices))}, got {answer!r}")
+    print(f"{question}\n  your prediction: {answer!r}")
+
+
+def reveal(question: str, answer, measured) -> None:
+    """Print what was measured next to the learner's prediction (from predict)."""
+    verdict = "" if answer is None else f"; you predicted {answer!r}: " + ("right" if answer == measured else
+                                                                            "not this time, read on for why")
+    print(f"{question}\n  measured: {measured!r}{verdict}")

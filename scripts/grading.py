@@ -4,6 +4,7 @@
     python scripts/grading.py check-stale      # exit 1 and list every notebook that differs from a fresh release
     python scripts/grading.py autograde        # grade submitted/<student>/<assignment>/*.ipynb (make autograde)
     python scripts/grading.py autograde --assignment session_a --student alice --feedback
+    python scripts/grading.py check-solutions  # grade every instructor notebook as a submission: score and seconds
 
 solutions/<assignment>/*.ipynb are the instructor notebooks and the only notebooks edited by hand;
 notebooks/<assignment>/ is generated from them by `nbgrader generate_assignment` and committed.
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nbformat
@@ -238,6 +240,24 @@ def autograde_notebook(path: Path, assignment: str, root: Path = REPO_ROOT) -> d
         return autograde(course, assignment, "student")["student"][assignment][path.stem]
 
 
+def check_solutions(root: Path = REPO_ROOT) -> list[tuple[str, float, float, float]]:
+    """Autograde each graded instructor notebook as a submission of its own assignment, one at a time.
+
+    Returns [(assignment/notebook, score, max score, seconds)]: the solutions must score full marks, and the
+    seconds are what grading one learner's notebook takes on this machine.
+    """
+    rows = []
+    for source in sorted((Path(root) / SOURCE_DIR).glob("*/*.ipynb")):
+        nb = nbformat.read(source, as_version=4)
+        if not any(cell.metadata.get("nbgrader", {}).get("grade") for cell in nb.cells):
+            continue
+        start = time.perf_counter()
+        cells = autograde_notebook(source, source.parent.name, root)
+        rows.append((f"{source.parent.name}/{source.stem}", sum(s for s, _ in cells.values()),
+                     sum(m for _, m in cells.values()), time.perf_counter() - start))
+    return rows
+
+
 def format_scores(scores: Scores) -> str:
     """One line per graded cell and a total per notebook."""
     rows = [("student", "assignment", "notebook", "cell", "score")]
@@ -301,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     rel = commands.add_parser("release", help="regenerate notebooks/ from solutions/")
     rel.add_argument("--out-dir", type=Path, default=None, help="write here instead of notebooks/")
     commands.add_parser("check-stale", help="exit 1 if notebooks/ differs from a fresh release")
+    commands.add_parser("check-solutions", help="autograde every instructor notebook: score and seconds each")
     grade = commands.add_parser("autograde", help="grade submitted/<student>/<assignment>/")
     grade.add_argument("--assignment", default=None, help="one assignment id (default: every submitted one)")
     grade.add_argument("--student", default=None, help="one student id (default: every student)")
@@ -324,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{RELEASE_DIR}/ matches a fresh release of {SOURCE_DIR}/")
         return 0
+    if args.command == "check-solutions":
+        rows = check_solutions(root)
+        width = max(len(name) for name, *_ in rows)
+        for name, score, max_score, seconds in rows:
+            print(f"{name:<{width}}  {score:g} / {max_score:g}  graded in {seconds:5.1f} s")
+        print(f"{sum(r[1] for r in rows):g} / {sum(r[2] for r in rows):g} points in {len(rows)} graded notebooks")
+        return 0 if all(score == max_score for _, score, max_score, _ in rows) else 1
     try:
         scores = autograde(root, args.assignment, args.student, args.feedback)
     except FileNotFoundError as error:

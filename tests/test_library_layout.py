@@ -20,6 +20,8 @@ TOP_LEVEL_MODULES = {"__init__", "train", "evaluation", "nbtools", "testing"}
 FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str], str] = {
     ("course_lib.pipeline_parallel.workers", "course_lib.pipeline_parallel.torch_pipelining"):
         "torch.distributed.pipelining takes ~1.7 s to import: only the ranks that run torch's schedules pay it",
+    ("course_lib.grading.sandbox", "course_lib.runtime.launch"):
+        "nbgrader_config.py imports the grading hook for every nbgrader command; torch is imported only to grade",
 }
 
 

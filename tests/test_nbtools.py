@@ -1,5 +1,7 @@
 from course_lib.core.model import GPTConfig
-from course_lib.nbtools import expect_error, repo_root
+import pytest
+
+from course_lib.nbtools import expect_error, predict, repo_root, reveal
 
 
 def test_expect_error_prints_the_message(capsys):
@@ -26,3 +28,17 @@ def test_repo_root_from_anywhere(tmp_path):
     root = repo_root(tmp_path)  # not inside the repo: falls back to course_lib's parent
     assert (root / "config" / "config.json").is_file()
     assert repo_root(root / "solutions") == root
+
+
+def test_a_prediction_is_printed_then_revealed_against_the_measurement(capsys):
+    predict("deeper: loss lower or higher?", None, choices=("lower", "higher"))
+    assert "no prediction written" in capsys.readouterr().out
+    predict("deeper: loss lower or higher?", "lower", choices=("lower", "higher"))
+    assert "your prediction: 'lower'" in capsys.readouterr().out
+    reveal("deeper: loss lower or higher?", "lower", "higher")
+    out = capsys.readouterr().out
+    assert "measured: 'higher'" in out and "not this time" in out
+    reveal("deeper: loss lower or higher?", "higher", "higher")
+    assert "you predicted 'higher': right" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="predict one of 'lower', 'higher', got 'maybe'"):
+        predict("deeper: loss lower or higher?", "maybe", choices=("lower", "higher"))

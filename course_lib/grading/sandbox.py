@@ -89,7 +89,12 @@ def grade(source: Path | str, submissions: dict[str, dict[str, str]], *,
         return results
     job = {"context": list(notebook.context), "checks": checks}
     env = dict(os.environ)
+    from course_lib.runtime.launch import START_METHOD_VARIABLE  # here: nbgrader imports this module for every command
+
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny tensors; and fork is safe only before a thread pool starts
+    # Checks launch ranks from a child that has imported torch already: forking them skips a fresh interpreter
+    # and a torch import per rank (course_lib.runtime.launch.START_METHOD_VARIABLE).
+    env.setdefault(START_METHOD_VARIABLE, "fork")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                      env.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory(prefix="grading-") as scratch:

@@ -1008,6 +1008,149 @@ def zero3_shard(model):
 """,
 })
 
+# The debugging lab (session C, notebook 06): six bugs, every fix run on 2-4 ranks.
+DEBUGGING_LAB = GradedNotebook("session_c", "06_debugging_lab", {
+    "mean_returned_on_rank_zero_only": ("dbg1_mean_loss", "dbg1_mean_loss_tests", [
+        ("    return total.item() / dist.get_world_size()",
+         "    return total.item() / dist.get_world_size() if dist.get_rank() == 0 else None")]),
+    "mean_is_the_sum": ("dbg1_mean_loss", "dbg1_mean_loss_tests", [
+        ("    return total.item() / dist.get_world_size()", "    return total.item()")]),
+    "mean_as_a_tensor": ("dbg1_mean_loss", "dbg1_mean_loss_tests", [
+        ("    return total.item() / dist.get_world_size()", "    return total / dist.get_world_size()")]),
+    "epoch_never_set": ("dbg2_epoch_indices", "dbg2_epoch_indices_tests", [
+        ("    sampler.set_epoch(epoch)\n", "")]),
+    "epoch_off_by_one": ("dbg2_epoch_indices", "dbg2_epoch_indices_tests", [
+        ("sampler.set_epoch(epoch)", "sampler.set_epoch(epoch + 1)")]),
+    "sampler_seeded_per_rank": ("dbg2_epoch_indices", "dbg2_epoch_indices_tests", [
+        ("shuffle=True, seed=seed)", "shuffle=True, seed=seed + rank)")]),
+    "ddp_without_unused_parameters": ("dbg3_unused", "dbg3_unused_tests", [
+        ("return DistributedDataParallel(model, find_unused_parameters=True)", "return DistributedDataParallel(model)")]),
+    "no_ddp_at_all": ("dbg3_unused", "dbg3_unused_tests", [
+        ("return DistributedDataParallel(model, find_unused_parameters=True)", "return model")]),
+    "head_frozen_after_wrapping": ("dbg3_unused", "dbg3_unused_tests", [
+        ("    return DistributedDataParallel(model, find_unused_parameters=True)",
+         "    wrapped = DistributedDataParallel(model)\n    model.head_b.requires_grad_(False)\n    return wrapped")]),
+    "accumulation_not_divided": ("dbg4_accumulate", "dbg4_accumulate_tests", [
+        ("(loss / len(micro_batches)).backward()", "loss.backward()")]),
+    "accumulation_divided_by_the_world_size": ("dbg4_accumulate", "dbg4_accumulate_tests", [
+        ("(loss / len(micro_batches)).backward()", "(loss / dist.get_world_size()).backward()")]),
+    "accumulation_divided_by_three": ("dbg4_accumulate", "dbg4_accumulate_tests", [
+        ("(loss / len(micro_batches)).backward()", "(loss / 3).backward()")]),
+    "fp16_without_scaling": ("dbg5_fp16", "dbg5_fp16_tests", [
+        ("    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()",
+         "    loss.backward()\n    optimizer.step()")]),
+    "fp16_scaled_never_unscaled": ("dbg5_fp16", "dbg5_fp16_tests", [
+        ("    scaler.step(optimizer)", "    optimizer.step()")]),
+    "fp16_scaled_by_hand": ("dbg5_fp16", "dbg5_fp16_tests", [
+        ("    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()",
+         "    (loss * 65536.0).backward()\n    for param in model.parameters():\n        param.grad /= 65536.0\n"
+         "    optimizer.step()")]),
+    "checkpoint_by_every_rank_in_place": ("dbg6_checkpoint", "dbg6_checkpoint_tests", [
+        ("    if dist.get_rank() == 0:\n        tmp = f\"{path}.tmp\"\n        torch.save(model.state_dict(), tmp)\n"
+         "        os.replace(tmp, path)  # readers see the old file or the new one, whole\n",
+         "    torch.save(model.state_dict(), path)\n")]),
+    "checkpoint_in_place_by_rank_zero": ("dbg6_checkpoint", "dbg6_checkpoint_tests", [
+        ("        tmp = f\"{path}.tmp\"\n        torch.save(model.state_dict(), tmp)\n"
+         "        os.replace(tmp, path)  # readers see the old file or the new one, whole\n",
+         "        torch.save(model.state_dict(), path)\n")]),
+    "checkpoint_by_every_rank_atomically": ("dbg6_checkpoint", "dbg6_checkpoint_tests", [
+        ("    if dist.get_rank() == 0:\n        tmp = f\"{path}.tmp\"\n        torch.save(model.state_dict(), tmp)\n"
+         "        os.replace(tmp, path)  # readers see the old file or the new one, whole\n",
+         "    tmp = f\"{path}.{dist.get_rank()}.tmp\"\n    torch.save(model.state_dict(), tmp)\n    os.replace(tmp, path)\n")]),
+}, delegations={
+    "dbg1_mean_loss": """\
+def mean_loss(loss):
+    from course_lib.runtime.collectives import mean_over_ranks
+
+    return mean_over_ranks(loss)
+""",
+    "dbg2_epoch_indices": """\
+def epoch_indices(num_samples, rank, world_size, epoch, seed=0):
+    from course_lib.data_parallel.sampler import shard_indices
+
+    return shard_indices(num_samples, rank, world_size, seed=seed, epoch=epoch)
+""",
+    "dbg3_unused": """\
+def wrap(model):
+    from course_lib.data_parallel import apply_ddp
+
+    return apply_ddp(model)
+""",
+    "dbg4_accumulate": """\
+def accumulate(model, micro_batches):
+    return buggy_accumulate(model, [idx for idx in micro_batches])
+""",
+    "dbg5_fp16": """\
+def fp16_step(model, optimizer, scaler, x, y):
+    from course_lib.precision import amp
+
+    amp.scaled_fp16_step(model, optimizer, scaler, x, y)
+""",
+    "dbg6_checkpoint": """\
+def save(model, path):
+    from course_lib.checkpoint.atomic import save_checkpoint
+
+    save_checkpoint(path, model, None, 0)
+""",
+}, alternatives={
+    "dbg1_mean_loss": """\
+def mean_loss(loss):
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, float(loss))
+    return sum(values) / len(values)
+""",
+    "dbg2_epoch_indices": """\
+def epoch_indices(num_samples, rank, world_size, epoch, seed=0):
+    g = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(num_samples, generator=g).tolist()
+    per_rank = math.ceil(num_samples / world_size)
+    order += order[:per_rank * world_size - num_samples]
+    return order[rank::world_size]
+""",
+    "dbg3_unused": """\
+def wrap(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for p in model.head_b.parameters():
+        p.requires_grad_(False)
+    return DDP(model)
+""",
+    "dbg4_accumulate": """\
+def accumulate(model, micro_batches):
+    n = len(micro_batches)
+    for i, idx in enumerate(micro_batches):
+        context = model.no_sync() if i < n - 1 else nullcontext()
+        with context:
+            logits, loss = model(idx, targets=idx)
+            loss.div(n).backward()
+""",
+    "dbg5_fp16": """\
+def fp16_step(model, optimizer, scaler, x, y):
+    from course_lib.runtime.debug_lab_workers import tiny_loss
+
+    for p in model.parameters():
+        p.grad = None
+    with torch.autocast(device_type="cpu", dtype=torch.float16):
+        out = model(x)
+    scaler.scale(tiny_loss(out, y)).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+""",
+    "dbg6_checkpoint": """\
+def save(model, path):
+    import os
+
+    rank = dist.get_rank()
+    if rank == 0:
+        partial = str(path) + ".partial"
+        with open(partial, "wb") as f:
+            torch.save(model.state_dict(), f)
+        os.replace(partial, path)
+    dist.barrier()
+""",
+})
+
 # Exercises 12-15 (session D). The tests of 14 and 15 start 2 ranks each (two launches per execution).
 SHARDING_EXERCISES = GradedNotebook("session_d", "04_sharding_exercises", {
     "hybrid_mesh_transposed": ("ex12_settings", "ex12_settings_tests", [
@@ -1121,7 +1264,8 @@ def apply_fsdp(model, mesh, **fsdp_kwargs):
 """,
 })
 
-# Model-parallel exercises 1-2 (session E, notebook 02b): f and g on 2 and 4 ranks, 1F1B simulated then on 2 ranks.
+# Model-parallel exercises 1-3 (session E, notebook 02b): f and g, a tensor-parallel block (2 and 4 ranks), and 1F1B
+# simulated then trained on 2 ranks.
 MODEL_PARALLEL_EXERCISES = GradedNotebook("session_e", "02b_model_parallel_exercises", {
     "regions_swapped": ("mp1_regions", "mp1_regions_tests", [
         ("    return CopyToParallelRegion.apply, ReduceFromParallelRegion.apply",
@@ -1137,27 +1281,73 @@ MODEL_PARALLEL_EXERCISES = GradedNotebook("session_e", "02b_model_parallel_exerc
         ("        @staticmethod\n        def backward(ctx, grad):\n            return grad",
          "        @staticmethod\n        def backward(ctx, grad):\n            grad = grad.clone()\n"
          "            dist.all_reduce(grad, op=dist.ReduceOp.SUM)\n            return grad / dist.get_world_size()")]),
-    "warmup_one_too_many": ("mp2_1f1b", "mp2_1f1b_tests", [
+    "block_f_on_every_projection": ("mp2_block", "mp2_block_tests", [
+        ("    for region in (attn, mlp):\n        region.register_forward_pre_hook(lambda module, args: (f(args[0]), *args[1:]))",
+         "    for projection in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):\n"
+         "        projection.register_forward_pre_hook(lambda module, args: (f(args[0]), *args[1:]))")]),
+    "block_o_proj_column_parallel": ("mp2_block", "mp2_block_tests", [
+        ("    attn.o_proj = row(attn.o_proj)", "    attn.o_proj = column(attn.o_proj)")]),
+    "block_no_g_after_the_mlp": ("mp2_block", "mp2_block_tests", [
+        ("    for exit_layer in (attn.o_proj, mlp.down_proj):", "    for exit_layer in (attn.o_proj,):")]),
+    "block_every_rank_keeps_the_first_rows": ("mp2_block", "mp2_block_tests", [
+        ("part.weight.copy_(linear.weight[rank * out:(rank + 1) * out])", "part.weight.copy_(linear.weight[:out])")]),
+    "warmup_one_too_many": ("mp3_1f1b", "mp3_1f1b_tests", [
         ("warmup = min(n_stages - stage - 1, micro_batches)", "warmup = min(n_stages - stage, micro_batches)")]),
-    "warmup_not_capped": ("mp2_1f1b", "mp2_1f1b_tests", [
+    "warmup_not_capped": ("mp3_1f1b", "mp3_1f1b_tests", [
         ("warmup = min(n_stages - stage - 1, micro_batches)", "warmup = n_stages - stage - 1")]),
-    "gpipe_instead": ("mp2_1f1b", "mp2_1f1b_tests", [
+    "gpipe_instead": ("mp3_1f1b", "mp3_1f1b_tests", [
         ("warmup = min(n_stages - stage - 1, micro_batches)", "warmup = micro_batches")]),
-    "cool_down_reversed": ("mp2_1f1b", "mp2_1f1b_tests", [
+    "cool_down_reversed": ("mp3_1f1b", "mp3_1f1b_tests", [
         ('[("B", i) for i in range(micro_batches - warmup, micro_batches)]',
          '[("B", i) for i in reversed(range(micro_batches - warmup, micro_batches))]')]),
 }, delegations={
+    "mp2_block": """\
+def parallelize_block(block, f, g):
+    from course_lib.tensor_parallel import apply_tensor_parallel
+
+    apply_tensor_parallel(block)
+""",
     "mp1_regions": """\
 def megatron_f_and_g():
     from course_lib.tensor_parallel.scratch import copy_to_parallel_region, reduce_from_parallel_region
 
     return copy_to_parallel_region, reduce_from_parallel_region
 """,
-    "mp2_1f1b": """\
+    "mp3_1f1b": """\
 def one_f_one_b(n_stages, stage, micro_batches):
     return SCHEDULES["1f1b"](n_stages, stage, micro_batches)
 """,
 }, alternatives={
+    "mp2_block": """\
+def parallelize_block(block, f, g):
+    t, r = dist.get_world_size(), dist.get_rank()
+
+    def split(linear, dim):
+        weight = linear.weight.detach().chunk(t, dim=dim)[r].clone()
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        layer.weight.data.copy_(weight)
+        return layer
+
+    a, m = block.attn, block.mlp
+    a.q_proj = split(a.q_proj, 0)
+    a.k_proj = split(a.k_proj, 0)
+    a.v_proj = split(a.v_proj, 0)
+    a.o_proj = split(a.o_proj, 1)
+    m.gate_proj = split(m.gate_proj, 0)
+    m.up_proj = split(m.up_proj, 0)
+    m.down_proj = split(m.down_proj, 1)
+
+    def enter(module, args):
+        return (f(args[0]),) + tuple(args[1:])
+
+    def leave(module, args, output):
+        return g(output)
+
+    a.register_forward_pre_hook(enter)
+    m.register_forward_pre_hook(enter)
+    a.o_proj.register_forward_hook(leave)
+    m.down_proj.register_forward_hook(leave)
+""",
     "mp1_regions": """\
 def megatron_f_and_g():
     class Enter(torch.autograd.Function):
@@ -1190,7 +1380,7 @@ def megatron_f_and_g():
 
     return f, g
 """,
-    "mp2_1f1b": """\
+    "mp3_1f1b": """\
 def one_f_one_b(n_stages, stage, micro_batches):
     schedule, next_forward, next_backward = [], 0, 0
     in_flight_limit = n_stages - stage
@@ -1295,7 +1485,7 @@ def merge_lora_linear(layer):
 """,
 })
 
-GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
+GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, DEBUGGING_LAB, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
 
 
 def grade_id(cell) -> str | None:

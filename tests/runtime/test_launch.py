@@ -104,3 +104,13 @@ def test_two_launches_at_once_do_not_collide(tmp_path):
                 for i in range(2)]
         results = [job.result(timeout=120) for job in jobs]
     assert [[r["after"] for r in res] for res in results] == [[3.0, 3.0], [3.0, 3.0]]
+
+
+def test_fork_start_method_gives_the_same_results(tmp_path, monkeypatch):
+    spawned = launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / "spawn", timeout_s=30)
+    monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "fork")
+    forked = launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / "fork", timeout_s=30)
+    assert forked == spawned
+    monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "threads")
+    with pytest.raises(ValueError, match="COURSE_LAUNCH_START_METHOD='threads'"):
+        launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / "bad", timeout_s=30)

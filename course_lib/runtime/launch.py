@@ -89,6 +89,8 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options):
+    if port is None:  # forked before the store existed: the caller sends its port
+        port = conn.recv()[1]
     # Set here, not inherited: two launches from two threads of one caller must not see each other's values.
     os.environ.update({key: str(value) for key, value in dict(
         RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size, MASTER_ADDR=addr,
@@ -222,8 +224,9 @@ def _stop_all(procs) -> None:
 START_METHODS = ("spawn", "fork")
 START_METHOD_VARIABLE = "COURSE_LAUNCH_START_METHOD"
 """Set to "fork" by a process that launches many short jobs from a parent that has already imported torch and
-started no thread pool or CUDA (the grading sandbox's checks): each rank then starts in milliseconds instead of
-importing torch again. Anything else should keep the default, "spawn"."""
+runs no thread of its own, no thread pool and no CUDA (the grading sandbox's checks): each rank then starts in
+milliseconds instead of importing torch again; the ranks are forked before the rendezvous store's thread starts.
+Anything else should keep the default, "spawn"."""
 
 
 def _start_method() -> str:
@@ -248,10 +251,16 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
     _check_spawnable(worker)
     kwargs = kwargs or {}
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    ctx = get_context(_start_method())
-    # The caller hosts the rendezvous store on a port the OS picks: no race for a "free" port.
-    store = dist.TCPStore(master_addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    method = _start_method()
+    ctx = get_context(method)
+
+    def host_store():  # the caller hosts the rendezvous store on a port the OS picks: no race for a "free" port
+        return dist.TCPStore(master_addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+
+    # Forked ranks must be forked before the store's server thread exists (a lock it holds would stay locked
+    # in the child forever): they are started first and receive the port through their pipe.
+    store = host_store() if method == "spawn" else None
     options = dict(backend=backend, device=device, timeout_s=timeout_s, log_dir=str(log_dir), threads=threads,
                    echo=echo, parent_pid=os.getpid())
     procs, conns = [], []
@@ -260,12 +269,16 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
             parent_conn, child_conn = ctx.Pipe()
             with _environment({"OMP_NUM_THREADS": threads}):
                 proc = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=False,
-                                   args=(rank, world_size, master_addr, store.port, worker, args, kwargs,
-                                         child_conn, options))
+                                   args=(rank, world_size, master_addr, store.port if store else None, worker, args,
+                                         kwargs, child_conn, options))
                 proc.start()
             child_conn.close()
             procs.append(proc)
             conns.append(parent_conn)
+        if store is None:
+            store = host_store()
+            for conn in conns:
+                conn.send(("port", store.port))
         return _supervise(procs, conns, log_dir, timeout_s)
     except RankFailure as failure:
         failure.pids = [proc.pid for proc in procs]

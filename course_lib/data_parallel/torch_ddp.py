@@ -82,7 +82,7 @@ def _epochs(loader: DataLoader, sampler: DistributedSampler):
 def ddp_train(steps: int = 30, micro_batch: int = 8, grad_accum_steps: int = 1, seq_len: int = 64,
               preset: str = "tiny", lr: float = 3e-3, seed: int = 0, data_dir: str = "data",
               num_windows: int | None = None, log_every: int = 10, rank_metric=None,
-              fail_rank: int | None = None, fail_step: int | None = None) -> dict:
+              fault=None) -> dict:
     """torch DDP training on the corpus, each rank reading its shard through a DistributedSampler.
 
     Every step accumulates grad_accum_steps micro-batches under no_sync (one gradient all-reduce per step).
@@ -90,7 +90,8 @@ def ddp_train(steps: int = 30, micro_batch: int = 8, grad_accum_steps: int = 1, 
     communication hook), the norm of the averaged gradient, tokens seen and the step time; and the dataset
     indices read. rank_metric(model, windows, info) -> dict adds your own columns; it is called after the
     gradients are averaged and clipped, before the optimizer step, and must live in a module.
-    fail_rank / fail_step: that rank raises at that step (to see how a job fails).
+    fault(rank, step): called by every rank at the start of every step, to see how a job fails (it may raise, or
+    kill its own process); like rank_metric it must live in a module (spawnable makes a notebook's importable).
     """
     info = get_dist_info()
     if info.rank == 0:
@@ -106,8 +107,8 @@ def ddp_train(steps: int = 30, micro_batch: int = 8, grad_accum_steps: int = 1, 
     optimizer = configure_optimizer(model, lr)
     records, indices_read, tokens_seen = [], [], 0
     for step in range(steps):
-        if info.rank == fail_rank and step == fail_step:
-            raise RuntimeError(f"simulated failure in rank {info.rank} at step {step}")
+        if fault is not None:
+            fault(info.rank, step)
         hook_state.update(local_sq_norm=0.0, allreduces=0)
         start = time.perf_counter()
         losses, windows_read = [], []

@@ -55,6 +55,24 @@ def allreduce_demo() -> dict:
     return {"rank": info.rank, "before": before, "after": tensor.item()}
 
 
+def all_reduce_steps(fault, steps: int = 5, step_seconds: float = 0.05) -> int:
+    """Run `steps` steps of one all_reduce each; every rank calls fault(rank, step) at the start of each step.
+
+    fault may raise or kill its own process; when it returns "skip", this rank skips the step's all_reduce (the
+    classic rank-conditional collective). Returns the sum of the all-reduced values this rank received.
+    """
+    info = get_dist_info()
+    total = torch.zeros(1, device=info.device)
+    for step in range(steps):
+        time.sleep(step_seconds)
+        if fault(info.rank, step) == "skip":
+            continue
+        value = torch.ones(1, device=info.device)  # on the rank's device: an NCCL group has no CPU backend
+        dist.all_reduce(value)
+        total += value
+    return int(total.item())
+
+
 def failing_worker(fail_rank: int, mode: str = "raise", steps: int = 5, step_seconds: float = 0.05,
                    failed_at_file: str | None = None) -> int:
     """Run `steps` all_reduce steps; rank `fail_rank` fails at step 2.

@@ -219,3 +219,42 @@ def check_full_checkpoint(save_fn, directory: str, *, strategy: str = "FULL_SHAR
     with torch.no_grad():
         logits = full_copy(model(probe)[0])
     return {"rank": rank, "error": error, "torch_save_calls": saves, "probe": probe, "logits": logits}
+
+
+def resharded_training(save_fn, load_fn, directory: str, *, phase: str, steps: int = 2, global_batch: int = 4,
+                       seq_len: int = 16, lr: float = 1e-2, seed: int = 0) -> dict:
+    """Worker: a sharded checkpoint written on some ranks and resumed on another number of them.
+
+    phase "save": train `steps` AdamW steps of a FULL_SHARD model whose dims do not divide by the world size
+    (PADDED), call save_fn(model, optimizer, directory, steps) on every rank, then take one more step.
+    phase "load": build the model and optimizer afresh with other weights, call
+    step = load_fn(model, optimizer, directory) on every rank, then take the same one more step.
+    Both return the full parameters and AdamW states (every rank gathers them) right after the save or the load,
+    the step, and the parameters after the one more step, to compare between the two world sizes.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    if phase not in ("save", "load"):
+        raise ValueError(f"phase must be 'save' or 'load', got {phase!r}")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = global_batches(steps + 1, global_batch, seq_len, seed, vocab_size=PADDED["vocab_size"])
+    config = GPTConfig(**PADDED)
+    model = apply_fsdp(seeded_gpt(seed if phase == "save" else seed + 7, config=config))
+    optimizer = configure_optimizer(model, lr)
+    step = None
+    if phase == "save":
+        for batch in batches[:steps]:
+            train_step(model, [local_rows(batch, rank, world_size)], optimizer, grad_clip=1.0)
+        save_fn(model, optimizer, directory, steps)
+        dist.barrier()
+        step = steps
+    else:
+        step = load_fn(model, optimizer, directory)
+    full = StateDictOptions(full_state_dict=True)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=full)["state"]
+    states = {name: {key: full_copy(value).clone() if torch.is_tensor(value) else value for key, value in s.items()}
+              for name, s in optimizer_state.items()}
+    params = {n: full_copy(p) for n, p in model.named_parameters()}
+    train_step(model, [local_rows(batches[steps], rank, world_size)], optimizer, grad_clip=1.0)
+    return {"rank": rank, "world_size": world_size, "step": step, "params": params, "optimizer_states": states,
+            "after_one_more_step": {n: full_copy(p) for n, p in model.named_parameters()}}

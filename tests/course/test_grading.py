@@ -1151,20 +1151,25 @@ def save(model, path):
 """,
 })
 
-# Exercises 12-15 (session D). The tests of 14 and 15 start 2 ranks each (two launches per execution).
+# Exercises 12-15b (session D). The tests of 12 start 4 ranks, of 14 and 15 2 ranks, of 15b 2 then 4 (hidden: 2 then 3).
 SHARDING_EXERCISES = GradedNotebook("session_d", "04_sharding_exercises", {
-    "hybrid_mesh_transposed": ("ex12_settings", "ex12_settings_tests", [
-        ("mesh_shape = (world_size // ranks_per_node, ranks_per_node)",
-         "mesh_shape = (ranks_per_node, world_size // ranks_per_node)")]),
-    "shard_grad_op_reshards_after_forward": ("ex12_settings", "ex12_settings_tests", [
-        ('"SHARD_GRAD_OP": (2, False),', '"SHARD_GRAD_OP": (2, True),')]),
-    "shard_grad_op_as_zero1": ("ex12_settings", "ex12_settings_tests", [
-        ('"SHARD_GRAD_OP": (2, False),', '"SHARD_GRAD_OP": (1, False),')]),
-    "no_shard_mesh_transposed": ("ex12_settings", "ex12_settings_tests", [
-        ("mesh_shape = (world_size, 1)", "mesh_shape = (1, world_size)")]),
-    "unknown_strategy_not_checked": ("ex12_settings", "ex12_settings_tests", [
-        ("    if strategy not in table:\n"
-         '        raise ValueError(f"unknown sharding strategy {strategy!r}; choose one of {list(table)}")\n', "")]),
+    "no_padding_in_params": ("ex12_rank_bytes", "ex12_rank_bytes_tests", [
+        ("params += padded_rows * row_bytes", "params += held_rows * row_bytes")]),
+    "moments_padded": ("ex12_rank_bytes", "ex12_rank_bytes_tests", [
+        ("moments += 2 * held_rows * row_bytes", "moments += 2 * padded_rows * row_bytes")]),
+    "hybrid_shards_over_all_ranks": ("ex12_rank_bytes", "ex12_rank_bytes_tests", [
+        ('"HYBRID_SHARD": ranks_per_node}', '"HYBRID_SHARD": world_size}')]),
+    "shard_index_is_the_rank": ("ex12_rank_bytes", "ex12_rank_bytes_tests", [
+        ("index = rank % group", "index = rank")]),
+    "step_counters_forgotten": ("ex12_rank_bytes", "ex12_rank_bytes_tests", [
+        ("step_counters = 4 * len(shapes)", "step_counters = 0")]),
+    "rows_floored": ("ex12_rank_bytes", "ex12_rank_bytes_tests", [
+        ("padded_rows = math.ceil(shape[0] / group)", "padded_rows = shape[0] // group")]),
+    "empty_shards_negative": ("ex12_rank_bytes", "ex12_rank_bytes_tests", [
+        ("held_rows = max(0, min(padded_rows, shape[0] - index * padded_rows))",
+         "held_rows = min(padded_rows, shape[0] - index * padded_rows)")]),
+    "bytes_per_element_ignored": ("ex12_rank_bytes", "ex12_rank_bytes_tests", [
+        ("row_bytes = math.prod(shape[1:]) * bytes_per_element", "row_bytes = math.prod(shape[1:]) * 4")]),
     "reduce_in_low_precision": ("ex13_policy", "ex13_policy_tests", [
         ("reduce_dtype=torch.float32)", "reduce_dtype=compute_dtypes[precision])")]),
     "fp16_computes_in_bf16": ("ex13_policy", "ex13_policy_tests", [
@@ -1196,10 +1201,40 @@ SHARDING_EXERCISES = GradedNotebook("session_d", "04_sharding_exercises", {
     "dcp_loaded_without_the_model_key": ("ex15_checkpoint", "ex15_checkpoint_tests", [
         ('    state = {"model": model.state_dict()}', "    state = model.state_dict()"),
         ('model.load_state_dict(state["model"])', "model.load_state_dict(state)")]),
+    "optimizer_not_saved": ("ex15b_reshard", "ex15b_reshard_tests", [
+        ('dcp.save({"model": model_state, "optimizer": optimizer_state, "step": step}',
+         'dcp.save({"model": model_state, "step": step}'),
+        ('state = {"model": model_state, "optimizer": optimizer_state, "step": -1}',
+         'state = {"model": model_state, "step": -1}'),
+        ('set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])',
+         'model.load_state_dict(state["model"])')]),
+    "positional_optimizer_state": ("ex15b_reshard", "ex15b_reshard_tests", [
+        ("get_state_dict(model, optimizer)\n    dcp.save(", "model.state_dict(), optimizer.state_dict()\n    dcp.save("),
+        ("get_state_dict(model, optimizer)\n    state = {", "model.state_dict(), optimizer.state_dict()\n    state = {"),
+        ('set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])',
+         'model.load_state_dict(state["model"])\n    optimizer.load_state_dict(state["optimizer"])')]),
+    "step_kept_as_a_tensor": ("ex15b_reshard", "ex15b_reshard_tests", [
+        ('"step": step}', '"step": torch.tensor(step)}'),
+        ('"step": -1}', '"step": torch.tensor(-1)}')]),
 }, delegations={
-    "ex12_settings": """\
-def fsdp2_settings(strategy, world_size, ranks_per_node):
-    return library_fsdp.fsdp2_settings(strategy, world_size, ranks_per_node)
+    "ex12_rank_bytes": """\
+def fsdp_rank_bytes(shapes, strategy, world_size, rank, ranks_per_node, bytes_per_element=4):
+    holder = nn.Module()
+    holder.params = nn.ParameterList([torch.empty(shape, device="meta") for shape in shapes])
+    return library_fsdp.expected_fsdp_model_states(holder, world_size, rank, strategy=strategy,
+                                                   ranks_per_node=ranks_per_node)
+""",
+    "ex15b_reshard": """\
+from course_lib.checkpoint.fsdp import save_sharded_checkpoint, load_sharded_checkpoint
+
+
+def save_sharded(model, optimizer, directory, step):
+    save_sharded_checkpoint(directory, model=model, optimizer=optimizer)
+
+
+def load_sharded(model, optimizer, directory):
+    load_sharded_checkpoint(directory, model=model, optimizer=optimizer)
+    return 2
 """,
     "ex13_policy": """\
 def mixed_precision_policy(precision):
@@ -1234,18 +1269,49 @@ def load_sharded_checkpoint(directory, model):
     model.load_state_dict(wanted["model"])
     return model
 """,
-    "ex12_settings": """\
-def fsdp2_settings(strategy, world_size, ranks_per_node):
-    if strategy == "FULL_SHARD":
-        return {"zero_stage": 3, "reshard_after_forward": True, "mesh_shape": (world_size,)}
-    if strategy == "SHARD_GRAD_OP":
-        return {"zero_stage": 2, "reshard_after_forward": False, "mesh_shape": (world_size,)}
-    if strategy == "NO_SHARD":
-        return {"zero_stage": 0, "reshard_after_forward": False, "mesh_shape": (world_size, 1)}
-    if strategy == "HYBRID_SHARD":
-        return {"zero_stage": 3, "reshard_after_forward": True,
-                "mesh_shape": (world_size // ranks_per_node, ranks_per_node)}
-    raise ValueError(f"unknown sharding strategy {strategy!r}")
+    "ex12_rank_bytes": """\
+def fsdp_rank_bytes(shapes, strategy, world_size, rank, ranks_per_node, bytes_per_element=4):
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        shard_group = world_size
+    elif strategy == "HYBRID_SHARD":
+        shard_group = ranks_per_node
+    elif strategy == "NO_SHARD":
+        shard_group = 1
+    else:
+        raise ValueError(f"strategy must be FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD, not {strategy!r}")
+    me = rank - (rank // shard_group) * shard_group
+    stored = held = 0
+    for shape in shapes:
+        per_row = bytes_per_element
+        for size in shape[1:]:
+            per_row *= size
+        chunk = -(-shape[0] // shard_group)
+        first = me * chunk
+        stored += chunk * per_row
+        held += (min(shape[0], first + chunk) - first) * per_row if first < shape[0] else 0
+    out = {"params": stored, "grads": stored, "optimizer_states": 2 * held + 4 * len(shapes)}
+    out["total"] = sum(out.values())
+    return out
+""",
+    "ex15b_reshard": """\
+def save_sharded(model, optimizer, directory, step):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"step": step, "weights": get_model_state_dict(model),
+              "adamw": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory)
+
+
+def load_sharded(model, optimizer, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    wanted = {"step": 0, "weights": get_model_state_dict(model), "adamw": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(wanted, checkpoint_id=directory)
+    set_model_state_dict(model, wanted["weights"])
+    set_optimizer_state_dict(model, optimizer, wanted["adamw"])
+    return int(wanted["step"])
 """,
     "ex13_policy": """\
 def mixed_precision_policy(precision):
@@ -1836,3 +1902,19 @@ def test_score_table(graded):
         total = f"{sum(points(notebook.source).values()):g}"
         assert ["solutions", notebook.assignment, notebook.name, "TOTAL", total, "/", total] in rows, table
         assert {row[3] for row in rows[1:] if row[2] == notebook.name} == set(points(notebook.source)) | {"TOTAL"}, table
+
+
+def test_the_course_grades_at_least_100_points_on_real_ranks_and_the_book_says_how_many():
+    """Every graded notebook is in the mutant suite; the points add up to 100 or more; every session from B on has a
+    graded notebook whose tests start ranks (four at least); Session A's chapter states the total."""
+    sources = sorted(p for p in (REPO_ROOT / "solutions").glob("*/*.ipynb") if points(p))
+    assert sources == sorted(notebook.source for notebook in GRADED), "a graded notebook is missing from GRADED"
+    total = sum(sum(points(p).values()) for p in sources)
+    assert total >= 100, f"the course grades {total:g} points, fewer than 100"
+    launching = [p for p in sources if any(
+        "run_on_ranks(" in c.source or "launch(" in c.source for c in nbformat.read(p, as_version=4).cells
+        if c.metadata.get("nbgrader", {}).get("grade"))]
+    assert len(launching) >= 4, f"only {len(launching)} graded notebooks start ranks in their tests: {launching}"
+    assert {p.parent.name for p in launching} >= {"session_b", "session_c", "session_d", "session_e"}, launching
+    chapter = (REPO_ROOT / "book" / "session_a" / "index.md").read_text(encoding="utf-8")
+    assert f"{total:g} points in all" in chapter, f"book/session_a/index.md should say '{total:g} points in all'"

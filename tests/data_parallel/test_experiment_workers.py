@@ -10,6 +10,7 @@ from course_lib.data_parallel.experiment_workers import bucket_sweep, world_size
 from course_lib.data_parallel.torch_ddp import TokenWindows, ddp_train, train_and_accumulate
 from course_lib.precision.workers import amp_ddp_overflow
 from course_lib.runtime.launch import RankFailure, launch
+from course_lib.runtime.spawn import spawnable
 from course_lib.runtime.demo_workers import collectives_demo
 from course_lib.testing import global_batches
 
@@ -76,9 +77,14 @@ def test_ddp_train_shards_syncs_and_records(tmp_path):
         assert a["metric_rank"] == 0 and b["metric_rank"] == 1 and a["window_sum"] > 0
     assert "synced grad norm" in (tmp_path / "logs" / "rank_1" / "train.log").read_text()
     with pytest.raises(RankFailure, match="simulated failure in rank 1") as failure:
-        launch(ddp_train, 2, kwargs={**kwargs, "fail_rank": 1, "fail_step": 1}, log_dir=tmp_path / "fail",
+        launch(ddp_train, 2, kwargs={**kwargs, "fault": spawnable(rank_1_fails_at_step_1)}, log_dir=tmp_path / "fail",
                echo=False)
     assert failure.value.rank == 1
+
+
+def rank_1_fails_at_step_1(rank, step):
+    if rank == 1 and step == 1:
+        raise RuntimeError(f"simulated failure in rank {rank} at step {step}")
 
 
 def test_no_sync_accumulation_equals_one_process(tmp_path):

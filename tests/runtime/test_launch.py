@@ -89,6 +89,25 @@ def test_skipped_collective_times_out_naming_the_missing_rank(tmp_path):
     assert _children_of_this_process() == []
 
 
+def rank_1_skips_step_1(rank, step):
+    return "skip" if (rank, step) == (1, 1) else None
+
+
+def test_a_fault_function_written_in_a_notebook_breaks_the_rank_it_names(tmp_path):
+    from course_lib.runtime.spawn import spawnable
+
+    assert launch(demo_workers.all_reduce_steps, world_size=2, args=(spawnable(no_fault),), kwargs={"steps": 3},
+                  echo=False) == [6, 6]  # 3 steps of an all_reduce of ones over 2 ranks
+    with pytest.raises(RankFailure, match=r"rank\(s\) 1 did not arrive") as info:
+        launch(demo_workers.all_reduce_steps, world_size=2, args=(spawnable(rank_1_skips_step_1),),
+               kwargs={"steps": 3}, log_dir=tmp_path, echo=False, timeout_s=4)
+    assert info.value.rank == 1
+
+
+def no_fault(rank, step):
+    return None
+
+
 def test_notebook_defined_worker_is_refused():
     def local_worker():
         return 1

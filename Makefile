@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PIP_FLAGS := --progress-bar off --disable-pip-version-check
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test book lab release autograde bench lint clean
+.PHONY: help venv test book lab release autograde bench gpu-check lint clean
 
 help: ## List the make targets
 	@echo "Distributed LLM training course: make <target>"
@@ -39,6 +39,9 @@ autograde: $(STAMP) ## Grade submitted/<student>/<assignment>/*.ipynb with nbgra
 
 bench: $(STAMP) ## Print the performance figures: matmul ceiling, training tokens/s, attention, all-reduce GB/s, DDP scaling, sharding memory, DP/TP/PP step time and bytes
 	$(PY) scripts/bench.py
+
+gpu-check: $(STAMP) ## On a CUDA node: node check, every notebook on cuda, training CLI, gpu tests, GPT-2 MFU (says so and exits 0 without CUDA)
+	$(PY) scripts/gpu_check.py
 
 lint: $(STAMP) ## Check that every notebook is valid and carries correct nbgrader metadata
 	$(PY) -m pytest -q tests/course/test_notebook_metadata.py

@@ -275,7 +275,7 @@ def train(cfg: TrainConfig) -> dict:
                                grad_clip=cfg.grad_clip, amp_dtype=amp_dtype, no_sync=no_sync)
             if world_size > 1:  # each rank saw different rows: report the mean loss of the global batch
                 stats["local_loss"] = stats["loss"]
-                loss = torch.tensor([stats["loss"]], dtype=torch.float64)
+                loss = torch.tensor([stats["loss"]], dtype=torch.float64, device=device)
                 dist.all_reduce(loss)
                 stats["loss"] = loss.item() / world_size
             elapsed = time.perf_counter() - start  # .item() in train_step waited for the device

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from course_lib.bench.attention import run_attention
 from course_lib.bench.comm import run_comm
-from course_lib.bench.compute import run_matmul, run_train
+from course_lib.bench.compute import run_matmul, run_train, run_versus
 from course_lib.bench.parallel import run_parallel
 from course_lib.bench.profile import run_profile
 from course_lib.bench.report import Options, Section, as_tables, format_section, section_json
@@ -42,6 +42,8 @@ SECTIONS = [
     Section("matmul", "fp32 (and bf16) square matmul GFLOP/s: the ceiling", run_matmul),
     Section("train", "training tokens/s, model GFLOP/s, fraction of matmul ceiling (tiny, small, medium)",
             run_train),
+    Section("vs", "the course GPT's achieved GFLOP/s against a GPT-2 of torch built-ins at equal dims (ratio)",
+            run_versus),
     Section("profile", "where a plain eager training step spends its time (GEMM, attention, optimizer, other)",
             run_profile),
     Section("attention", "SDPA vs explicit attention at T=128 and T=512, forward and forward+backward",

@@ -41,7 +41,7 @@ def allreduce_bandwidth(sizes_mib=(1, 4, 16, 64), iters: int = 5, warmup: int = 
     info = get_dist_info()
     rows = []
     for size in sizes_mib:
-        tensor = torch.ones(int(size * MIB) // 4, dtype=torch.float32)
+        tensor = torch.ones(int(size * MIB) // 4, dtype=torch.float32, device=info.device)
         samples = {impl: [] for impl in impls}
         for i in range(warmup + iters):
             for impl in impls:

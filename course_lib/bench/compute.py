@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib.bench.reference_gpt import ReferenceGPT
 from course_lib.bench.report import Column, Options, Table
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.optim import configure_optimizer
@@ -202,3 +203,62 @@ def run_train(opts: Options) -> Table:
                  Column("best", "", _best_marker),
                  Column("fraction_of_bf16_matmul", "of bf16 matmul", "{:.2f}")],
         rows=rows, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------ versus
+
+def reference_train_step(model, batch_size: int, seq_len: int, vocab_size: int) -> Callable[[], None]:
+    """An eager fp32 training step (forward with targets, backward, torch's default AdamW, zero_grad) of `model`."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    g = torch.Generator().manual_seed(0)
+    batches = itertools.cycle([torch.randint(0, vocab_size, (batch_size, seq_len), generator=g) for _ in range(4)])
+
+    def step() -> None:
+        idx = next(batches)
+        _, loss = model(idx, targets=idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run_versus(opts: Options) -> Table:
+    """The course GPT against a plain GPT-2 of torch built-ins (course_lib.bench.reference_gpt) at equal dims.
+
+    Both train eager in fp32 with torch's default AdamW, timed in alternation (A B A B ...) with the matmul
+    ceiling; the figure of merit is achieved model GFLOP/s, 6N + 12LHQT per token with each model's own N
+    (their parameter counts differ: SwiGLU against a 4x GELU MLP, no biases, no position table).
+    """
+    config = GPTConfig.from_preset("small")
+    batch_size, T = 16, config.block_size
+    torch.manual_seed(0)
+    course = GPT(config)
+    reference = ReferenceGPT(config.vocab_size, T, config.n_layer, config.n_head, config.n_embd)
+    models = {"course GPT (RMSNorm, RoPE, SwiGLU, SDPA)": course,
+              "GPT-2 of torch built-ins (LayerNorm, GELU, SDPA)": reference}
+    steps = {label: reference_train_step(m, batch_size, T, config.vocab_size) for label, m in models.items()}
+    timings = time_alternating({**steps, "matmul": matmul_fn(MATMUL_CEILING_N)}, warmup=2 if opts.quick else 3,
+                               rounds=3 if opts.quick else 15)
+    ceiling = matmul_gflops(MATMUL_CEILING_N, timings["matmul"].median)
+    rows = []
+    for label, model in models.items():
+        step_s = timings[label].median
+        tokens_per_s = batch_size * T / step_s
+        gflops = model.flops_per_token(T) * tokens_per_s / 1e9
+        rows.append({"model": label, "params": model.num_params(), "flops_per_token": model.flops_per_token(T),
+                     "step_ms": step_s * 1e3, "step_spread": timings[label].relative_spread,
+                     "tokens_per_s": tokens_per_s, "gflops": gflops, "fraction": gflops / ceiling})
+    ratio = rows[0]["gflops"] / rows[1]["gflops"]
+    rows[0]["ratio"], rows[1]["ratio"] = ratio, 1.0
+    return Table(
+        title=f"Course GPT vs a GPT-2 of torch built-ins at equal dims (L{config.n_layer} C{config.n_embd} "
+              f"H{config.n_head} T{T} B{batch_size} V{config.vocab_size}), eager fp32, AdamW",
+        columns=[Column("model", "model"), Column("params", "params", "{:,}"),
+                 Column("flops_per_token", "FLOPs/token", "{:,}"), Column("step_ms", "step ms", "{:.1f}"),
+                 Column("step_spread", "IQR", "{:.0%}"), Column("tokens_per_s", "tokens/s", "{:,.0f}"),
+                 Column("gflops", "GFLOP/s", "{:.1f}"), Column("fraction", "of ceiling", "{:.2f}"),
+                 Column("ratio", "vs GPT-2", "{:.2f}x")],
+        rows=rows,
+        notes=[f"course GPT / GPT-2 built-ins, achieved model GFLOP/s: {ratio:.2f}x (ceiling: fp32 "
+               f"{MATMUL_CEILING_N}^3 matmul, {ceiling:.1f} GFLOP/s, timed in alternation)."])

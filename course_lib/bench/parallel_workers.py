@@ -202,7 +202,7 @@ def parallel_bench(strategies=PARALLEL_STRATEGIES, preset: str = "small", config
             start = time.perf_counter()
             losses[name] = trainees[name].train_step(batch)
             elapsed.append(time.perf_counter() - start)
-        slowest = torch.tensor(elapsed, dtype=torch.float64)
+        slowest = torch.tensor(elapsed, dtype=torch.float64, device=info.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is done when its slowest rank is done
         if round_index == 0:  # outside the timed steps: the extra collectives cost nothing that is measured
             for name in names:

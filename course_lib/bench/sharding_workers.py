@@ -183,7 +183,7 @@ def sharding_bench(strategies=DATA_PARALLEL_STRATEGIES, preset: str = "small", g
             elapsed.append(time.perf_counter() - start)
             if probing:
                 trainee.probe.stop()
-        slowest = torch.tensor(elapsed, dtype=torch.float64)
+        slowest = torch.tensor(elapsed, dtype=torch.float64, device=info.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is done when its slowest rank is done
         if round_index >= warmup:
             for trainee, seconds in zip(order, slowest.tolist()):

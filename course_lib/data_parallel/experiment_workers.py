@@ -268,8 +268,9 @@ def scaling_sweep(world_sizes=(1, 2, 4), steps: int = 10, warmup: int = 2, micro
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             end = time.perf_counter()
-            mine = torch.tensor([(backward_done - start) + (end - reduced), end - start], dtype=torch.float64)
-            everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(n)]
+            mine = torch.tensor([(backward_done - start) + (end - reduced), end - start], dtype=torch.float64,
+                                device=info.device)
+            everyone = [torch.zeros(2, dtype=torch.float64, device=info.device) for _ in range(n)]
             dist.all_gather(everyone, mine, group=groups[n])
             if step >= warmup:
                 compute = max(t[0].item() for t in everyone)

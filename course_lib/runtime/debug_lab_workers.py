@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
+from course_lib.runtime.env import get_dist_info
 from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 
 # ---------------------------------------------------------------------------------------------- 1. a hang
@@ -27,7 +28,7 @@ from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 def buggy_mean_loss(loss: float) -> float | None:
     """Bug: only rank 0 joins the all-reduce (it is the one that prints), so rank 0 waits forever."""
     if dist.get_rank() == 0:
-        total = torch.tensor([loss], dtype=torch.float64)
+        total = torch.tensor([loss], dtype=torch.float64, device=get_dist_info().device)
         dist.all_reduce(total)
         return total.item() / dist.get_world_size()
     return None

@@ -48,7 +48,7 @@ def whoami() -> dict:
 def allreduce_demo() -> dict:
     """Each rank contributes rank + 1; after all_reduce(SUM) every rank holds 1 + 2 + ... + world_size."""
     info = get_dist_info()
-    tensor = torch.tensor([float(info.rank + 1)])
+    tensor = torch.tensor([float(info.rank + 1)], device=info.device)
     before = tensor.item()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     print(f"contributed {before:g}, after all_reduce: {tensor.item():g}")
@@ -99,9 +99,9 @@ def failing_worker(fail_rank: int, mode: str = "raise", steps: int = 5, step_sec
                 os.kill(os.getpid(), signal.SIGKILL)
             if mode == "skip":
                 continue
-        value = torch.ones(1)
+        value = torch.ones(1, device=info.device)
         dist.all_reduce(value)
-        total += value
+        total += value.cpu()
     return int(total.item())
 
 

@@ -36,7 +36,7 @@ def main() -> int:
     info = init_distributed(timeout_s=float(os.environ.get("COURSE_DIST_TIMEOUT", 60)))
     print(f"attempt {attempt}: rank {info.rank} of {info.world_size} (node {os.environ.get('GROUP_RANK', '?')}, "
           f"local rank {info.local_rank}) joined", flush=True)
-    total = torch.tensor([float(info.rank)])
+    total = torch.tensor([float(info.rank)], device=info.device)
     dist.all_reduce(total)  # everyone is here
     if info.rank == fail_rank and attempt < fail_attempts:
         print(f"attempt {attempt}: rank {info.rank} fails on purpose", flush=True)

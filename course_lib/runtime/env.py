@@ -53,9 +53,25 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise RuntimeError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+BACKEND_VARIABLE = "COURSE_BACKEND"
+"""Overrides the default backend, e.g. gloo for several ranks on one GPU (NCCL needs one GPU per rank)."""
+"""The process group of CUDA ranks: NCCL for tensors on the GPUs, gloo for CPU tensors and Python objects.
+
+An NCCL-only group cannot run a collective on a CPU tensor ("No backend type associated with device type
+cpu"); with both, such a collective still works (slowly, through gloo), and the course's own code keeps every
+tensor it communicates on the rank's device (tests/runtime/test_device_guard.py checks it). torchtitan does
+the same when it needs both."""
+
+
 def default_backend(device: torch.device | str) -> str:
-    """nccl for CUDA devices (GPU-to-GPU transfers), gloo for CPU tensors."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """NCCL for CUDA tensors with gloo beside it for CPU ones (CUDA_BACKEND) on CUDA devices; gloo on the CPU."""
+    return CUDA_BACKEND if torch.device(device).type == "cuda" else "gloo"
+
+
+def backend_uses_cuda(backend: str) -> bool:
+    """True for a process group whose tensors live on GPUs: "nccl", or a per-device one such as CUDA_BACKEND."""
+    return "nccl" in backend
 
 
 def rank_device(local_rank: int, device: str = "auto") -> torch.device:
@@ -80,7 +96,7 @@ def get_dist_info() -> DistInfo:
         rank, world_size, backend = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), "none"
     local_rank = _env_int("LOCAL_RANK", rank)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    device_kind = "cuda" if backend == "nccl" else os.environ.get("COURSE_DEVICE", "cpu")
+    device_kind = "cuda" if backend_uses_cuda(backend) else os.environ.get("COURSE_DEVICE", "cpu")
     return DistInfo(rank, world_size, local_rank, local_world_size, backend, rank_device(local_rank, device_kind))
 
 
@@ -99,7 +115,7 @@ def init_distributed(backend: str | None = None, device: str = "auto", timeout_s
         raise RuntimeError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
     local_rank = _env_int("LOCAL_RANK", rank)
     torch_device = rank_device(local_rank, device)
-    backend = backend or default_backend(torch_device)
+    backend = backend or os.environ.get(BACKEND_VARIABLE) or default_backend(torch_device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     os.environ["COURSE_DEVICE"] = torch_device.type

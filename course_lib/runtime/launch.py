@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from multiprocessing import connection, get_context
 from pathlib import Path
@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.core.checks import positive_int
-from course_lib.runtime.env import DEFAULT_TIMEOUT_S, init_distributed, setup_rank_logging
+from course_lib.runtime.device_guard import guard_collectives
+from course_lib.runtime.env import DEFAULT_TIMEOUT_S, get_dist_info, init_distributed, setup_rank_logging
 
 STOP_GRACE_S = 1.0  # time the other ranks get to report their own errors before they are killed
 
@@ -113,7 +114,9 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
         init_distributed(options["backend"], options["device"], options["timeout_s"], store=store)
         setup_rank_logging(options["log_dir"], stream=sys.stderr)
         phase = "worker"
-        result = worker(*args, **kwargs)
+        guard = os.environ.get(DEVICE_GUARD_VARIABLE) == "1"
+        with guard_collectives(get_dist_info().device) if guard else nullcontext():
+            result = worker(*args, **kwargs)
         phase = "result"
         payload = pickle.dumps(result)
     except BaseException as exc:  # report, then leave at once: peers may be stuck in a collective with us
@@ -223,6 +226,8 @@ def _stop_all(procs) -> None:
 
 START_METHODS = ("spawn", "fork")
 START_METHOD_VARIABLE = "COURSE_LAUNCH_START_METHOD"
+DEVICE_GUARD_VARIABLE = "COURSE_DEVICE_GUARD"
+"""Set to 1: every rank checks that the tensors it hands to collectives are on its device (device_guard)."""
 """Set to "fork" by a process that launches many short jobs from a parent that has already imported torch and
 runs no thread of its own, no thread pool and no CUDA (the grading sandbox's checks): each rank then starts in
 milliseconds instead of importing torch again; the ranks are forked before the rendezvous store's thread starts.
@@ -241,7 +246,7 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
            threads_per_rank: int | None = None, echo: bool = True, master_addr: str = "127.0.0.1") -> list:
     """Run `worker(*args, **kwargs)` on `world_size` ranks; return the list of their return values.
 
-    backend: None picks gloo on CPU, nccl on CUDA. device: 'cpu', 'cuda' or 'auto'.
+    backend: None picks gloo on CPU, "cpu:gloo,cuda:nccl" on CUDA (env.CUDA_BACKEND). device: 'cpu', 'cuda' or 'auto'.
     timeout_s: collective timeout and hang watchdog. threads_per_rank: default cores // world_size (>= 1).
     Raises RankFailure naming the rank that failed first.
     """

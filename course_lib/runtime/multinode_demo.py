@@ -30,7 +30,7 @@ def main() -> int:
     if info.rank != expected:
         print(f"RANK {info.rank} != NODE_RANK * NPROC_PER_NODE + LOCAL_RANK = {expected}", file=sys.stderr)
         return 1
-    total = torch.tensor([float(info.rank)])
+    total = torch.tensor([float(info.rank)], device=info.device)
     dist.all_reduce(total)
     identities = [None] * info.world_size
     dist.all_gather_object(identities, {"rank": info.rank, "node": node_rank, "local_rank": info.local_rank,

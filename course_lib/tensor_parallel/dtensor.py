@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.core.model import GPT
+from course_lib.runtime.env import backend_uses_cuda
 from course_lib.tensor_parallel.scratch import check_tensor_parallel_config
 
 
@@ -51,7 +52,7 @@ def make_tp_mesh(tp: int | None = None, device_type: str | None = None) -> Devic
     tp = tp or world_size
     if world_size % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide the world size {world_size}")
-    device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    device_type = device_type or ("cuda" if backend_uses_cuda(dist.get_backend()) else "cpu")
     if tp == world_size:
         return init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
     return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]

@@ -8,6 +8,7 @@ import os
 
 import bench  # scripts/ is on sys.path (tests/conftest.py)
 import pytest
+from conftest import section_stdout
 
 from course_lib.bench.profile import PROFILE_SHARES
 from course_lib.bench.report import Column, Section, Table, as_tables, format_section, format_table
@@ -89,6 +90,11 @@ def test_bench_quick_writes_consistent_json(quick_run):
         assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / (r["step_ms"] / 1e3), rel=1e-9)
         assert r["gflops"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 1e9, rel=1e-9)
         assert r["fraction"] == pytest.approx(r["gflops"] / r["matmul_gflops"], rel=1e-9)
+
+    versus = _rows(report, "vs")
+    assert [r["model"].split(" (")[0] for r in versus] == ["course GPT", "GPT-2 of torch built-ins"]
+    assert versus[0]["ratio"] == pytest.approx(versus[0]["gflops"] / versus[1]["gflops"], rel=1e-9)
+    assert f"achieved model GFLOP/s: {versus[0]['ratio']:.2f}x" in section_stdout(stdout, "vs")
 
     for r in _rows(report, "profile"):
         assert sum(r[k] for k in PROFILE_SHARES) == pytest.approx(100.0)

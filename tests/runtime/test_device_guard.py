@@ -1,0 +1,73 @@
+"""Every tensor course_lib hands to a collective is made on the rank's device (env.CUDA_BACKEND explains why).
+
+The source guard runs over course_lib and scripts; the run-time guard is checked in one process with a declared
+device that is not the CPU (`meta`), so a CPU tensor given to a collective must be refused.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.runtime import device_guard
+from course_lib.runtime.env import CUDA_BACKEND, backend_uses_cuda, default_backend
+from course_lib.runtime.launch import DEVICE_GUARD_VARIABLE, launch
+from course_lib.runtime.demo_workers import allreduce_demo
+from course_lib.runtime.spawn import single_process_group
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# The training CLI's loss logging before the fix: a CPU tensor all-reduced by an NCCL group on a GPU node.
+OLD_TRAIN_LOSS = '''
+def log_loss(stats, world_size):
+    loss = torch.tensor([stats["loss"]], dtype=torch.float64)
+    dist.all_reduce(loss)
+    return loss.item() / world_size
+'''
+
+
+def test_every_collective_in_course_lib_and_scripts_gets_tensors_made_on_the_rank_device():
+    findings = device_guard.host_tensor_collectives([REPO_ROOT / "course_lib", REPO_ROOT / "scripts"])
+    assert not findings, "collectives fed tensors made on the host:\n" + "\n".join(findings)
+
+
+@pytest.mark.parametrize("code", [
+    OLD_TRAIN_LOSS,
+    "def f(n):\n    parts = [torch.zeros(2) for _ in range(n)]\n    dist.all_gather(parts, torch.ones(2, device=d))\n",
+    "def f(x):\n    y = x.detach().cpu()\n    dist.broadcast(y, src=0)\n",
+    "def f(x):\n    torch.distributed.all_reduce(torch.tensor([x]))\n",
+])
+def test_the_source_guard_finds_host_tensors_given_to_collectives(code):
+    findings = device_guard.host_tensor_collectives_in(code, "example.py")
+    assert len(findings) == 1 and findings[0].startswith("example.py:"), findings
+
+
+def test_the_source_guard_accepts_tensors_made_on_the_rank_device():
+    code = OLD_TRAIN_LOSS.replace("dtype=torch.float64)", "dtype=torch.float64, device=device)")
+    assert device_guard.host_tensor_collectives_in(code) == []
+    assert device_guard.host_tensor_collectives_in("def f(p):\n    dist.all_reduce(p.grad)\n") == []
+
+
+def test_the_run_time_guard_refuses_a_cpu_tensor_when_the_rank_device_is_another():
+    with single_process_group():
+        with device_guard.guard_collectives(torch.device("meta")):
+            with pytest.raises(device_guard.DeviceMismatch, match=r"dist.all_reduce at .*test_device_guard.py:\d+ was "
+                                                                  r"given a tensor on cpu, but this rank's device is meta"):
+                dist.all_reduce(torch.ones(1))
+        with device_guard.guard_collectives(torch.device("cpu")):
+            tensor = torch.ones(2)
+            dist.all_reduce(tensor)
+        assert dist.all_reduce is not None and torch.equal(tensor, torch.ones(2))  # one rank: the sum is itself
+    assert dist.all_reduce.__module__ == "torch.distributed.distributed_c10d", "the guard did not put dist back"
+
+
+def test_launch_runs_every_rank_under_the_guard_when_asked(monkeypatch):
+    monkeypatch.setenv(DEVICE_GUARD_VARIABLE, "1")
+    assert [r["after"] for r in launch(allreduce_demo, 2, echo=False)] == [3.0, 3.0]
+
+
+def test_cuda_ranks_get_nccl_with_gloo_beside_it():
+    assert default_backend("cuda") == CUDA_BACKEND == "cpu:gloo,cuda:nccl"
+    assert default_backend("cpu") == "gloo"
+    assert backend_uses_cuda(CUDA_BACKEND) and backend_uses_cuda("nccl") and not backend_uses_cuda("gloo")

@@ -28,8 +28,9 @@ test: $(STAMP) ## Run every test (unit, distributed, notebooks, grading)
 book: $(STAMP) ## Execute the notebooks and build the HTML book into _build/html
 	$(PY) scripts/build_book.py
 
-lab: $(STAMP) ## Open the notebooks in JupyterLab
-	$(VENV)/bin/jupyter lab --ServerApp.allow_root=True --notebook-dir=.
+lab: $(STAMP) ## Open your workspace (a copy of notebooks/ that release never touches) in JupyterLab
+	$(PY) scripts/workspace.py
+	$(VENV)/bin/jupyter lab --ServerApp.allow_root=True --notebook-dir=workspace
 
 release: $(STAMP) ## Regenerate notebooks/ (student versions) from solutions/ with nbgrader
 	$(PY) scripts/grading.py release

@@ -116,18 +116,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--model_size", default=None, help="preset, for checkpoints that do not record their config")
     parser.add_argument("--config", default=None, help="JSON model config (e.g. config/config.json), same use")
     parser.add_argument("--data_dir", default="data")
-    parser.add_argument("--split", default="val")
+    parser.add_argument("--split", default="val", choices=("train", "val"))
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--max_batches", type=int, default=50)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    fallback = load_model_config(args.config) if args.config else (
-        GPTConfig.from_preset(args.model_size) if args.model_size else None)
     try:
+        fallback = load_model_config(args.config) if args.config else (
+            GPTConfig.from_preset(args.model_size) if args.model_size else None)
         model, what = load_model(args.checkpoint, fallback)
-    except (ValueError, FileNotFoundError) as err:
-        parser.exit(2, f"error: {err}\n")
-    result = held_out_loss(model, load_tokens(args.split, args.data_dir), args.batch_size, args.max_batches)
+        result = held_out_loss(model, load_tokens(args.split, args.data_dir), args.batch_size, args.max_batches)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     result.update(checkpoint=str(args.checkpoint), loaded=what, split=args.split, params=model.num_params())
     if args.json:
         print(json.dumps(result))

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from course_lib.checkpoint.atomic import (
-    clear_checkpoints,
+    move_earlier_run,
     load_checkpoint,
     remove_partial_files,
     resolve_resume,
@@ -137,7 +137,7 @@ class TrainConfig:
     """Directory for checkpoints, metrics.jsonl and TensorBoard events (tb/)."""
     resume: bool | str = False
     """True: continue from out_dir/latest.pt; a path: from that file; 'auto': resume if a checkpoint exists.
-    False: start fresh, replacing an earlier run's checkpoints and metrics in out_dir."""
+    False: start fresh; an earlier run's checkpoints and metrics in out_dir move to out_dir/earlier_runs/<time>/."""
     seed: int = 0
     """Seed of model init, dropout and the order of training batches."""
     device: str = "auto"
@@ -218,6 +218,37 @@ def load_splits(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return load_tokens("train", cfg.data_dir), load_tokens("val", cfg.data_dir)
 
 
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps")
+
+
+def continue_schedule(cfg: TrainConfig, optimizer, scheduler, saved: dict) -> list[str]:
+    """After loading a checkpoint: the schedule goes on with this run's lr, min_lr, warmup_steps and max_steps.
+
+    The checkpoint's LambdaLR state carries the saved run's lr as its base, which would silently override a new
+    --lr; the new settings are applied instead. Returns what changed ("lr 0.003 -> 1e-05"), for the log.
+    """
+    changes = [f"{name} {saved[name]} -> {getattr(cfg, name)}" for name in SCHEDULE_FIELDS
+               if name in saved and saved[name] != getattr(cfg, name)]
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = cfg.lr
+        group["lr"] = cfg.lr * factor(scheduler.last_epoch)
+    return changes
+
+
+def check_splits(cfg: TrainConfig, config: GPTConfig, splits: dict[str, torch.Tensor]) -> None:
+    """Every split holds at least one window of block_size tokens, and no token id beyond the vocabulary."""
+    for split, tokens in splits.items():
+        where = "the synthetic dataset" if cfg.dataset == "synthetic" else str(Path(cfg.data_dir) / f"{split}.bin")
+        if len(tokens) < config.block_size:
+            raise ValueError(f"block_size={config.block_size} does not fit the {split} split: {where} holds "
+                             f"{len(tokens):,} tokens; use a smaller --block_size or more data")
+        top = int(tokens.max())
+        if top >= config.vocab_size:
+            raise ValueError(f"vocab_size={config.vocab_size} is too small for {where}: it holds token id {top} "
+                             f"(the byte tokenizer has 256 ids); set vocab_size to at least {top + 1}")
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run (or continue) training; returns history, evals, model and paths (see the end of the function)."""
     if cfg.threads is not None:
@@ -246,16 +277,26 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = make_scheduler(optimizer, max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_steps=cfg.max_steps)
     train_tokens, val_tokens = load_splits(cfg)
+    check_splits(cfg, config, {"train": train_tokens, "val": val_tokens})  # before step 1, not at the first eval
     # Every rank draws the same global batch and keeps its own rows: disjoint data, one process's order.
     batches = RandomBatches(train_tokens, cfg.batch_size * world_size, config.block_size, seed=cfg.seed)
     my_rows = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
     start_step, resume_from = 0, resolve_resume(cfg.resume, out_dir)
     if resume_from is not None:
         ckpt = strategy.load(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        saved_rows = (ckpt["data_state"] or {}).get("batch_size")
+        if saved_rows is not None and saved_rows != batches.batch_size:
+            raise ValueError(f"{resume_from} was written by a run with a global batch of {saved_rows} rows (--batch_size "
+                             f"per rank x ranks); this run has --batch_size {cfg.batch_size} x {world_size} rank(s) = "
+                             f"{batches.batch_size}: resume with the same global batch")
         batches.load_state_dict(ckpt["data_state"])
         start_step = ckpt["step"]
-    elif is_main and (removed := clear_checkpoints(out_dir)):  # else --resume would later pick up the old run's latest.pt
-        tqdm.write(f"note: fresh run in {out_dir}: removed {len(removed)} checkpoint files of an earlier run "
+        changes = continue_schedule(cfg, optimizer, scheduler, (ckpt.get("extra") or {}).get("train_config") or {})
+        if changes and is_main:
+            tqdm.write(f"note: resuming {resume_from} at step {start_step} with {', '.join(changes)}: applied from "
+                       f"step {start_step + 1} on (lr now {optimizer.param_groups[0]['lr']:.3g})")
+    elif is_main and (moved := move_earlier_run(out_dir)):  # else --resume would later pick up the old run's latest.pt
+        tqdm.write(f"note: fresh run in {out_dir}: the earlier run's checkpoints and metrics were moved to {moved} "
                    "(use --resume to continue a run instead)")
     last_step = cfg.stop_at_step or cfg.max_steps
     if world_size > 1:
@@ -298,9 +339,19 @@ def train(cfg: TrainConfig) -> dict:
                           f"grad norm {stats['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s")
             if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == last_step:
                 split = (rank, world_size) if strategy.split_evaluation else (0, 1)
-                val_loss = evaluate(model, val_tokens, batch_size=cfg.batch_size * world_size,
-                                    block_size=config.block_size, max_batches=cfg.eval_batches,
-                                    amp_dtype=amp_dtype, rank=split[0], world_size=split[1])
+                try:
+                    val_loss = evaluate(model, val_tokens, batch_size=cfg.batch_size * world_size,
+                                        block_size=config.block_size, max_batches=cfg.eval_batches,
+                                        amp_dtype=amp_dtype, rank=split[0], world_size=split[1])
+                except Exception:
+                    if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step:
+                        # The steps are done and paid for: keep them before the error ends the run.
+                        if strategy.every_rank_saves or is_main:
+                            strategy.save(out_dir, step=step, keep_last=cfg.keep_last, model=model,
+                                          optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                          data_state=batches.state_dict(),
+                                          extra={"train_config": train_config, "val_loss": None})
+                    raise
                 evals.append({"kind": "eval", "step": step, "val_loss": val_loss})
                 if logger:
                     logger.log(evals[-1])
@@ -349,15 +400,25 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
 
 
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+"""What bad input raises (a config field, a data file, a checkpoint that does not fit): one clear line on the CLI."""
+
+
 def main(argv=None) -> dict:
     parser = build_parser()
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an input error")
     args = parser.parse_args(argv)
+    debug = args.__dict__.pop("debug")
     try:
         cfg = config_from_args(args)
     except ValueError as err:
         parser.error(str(err))
     try:
         result = train(cfg)
+    except INPUT_ERRORS as err:
+        if debug:
+            raise
+        parser.exit(2, f"{parser.prog}: error: {err}\n(--debug shows where it was raised)\n")
     finally:
         if STRATEGIES[cfg.strategy].distributed:
             cleanup()

@@ -40,7 +40,12 @@ DEMO = ["-m", "course_lib.runtime.multinode_demo"]
 
 def _env_default(name: str, default=None, cast=str):
     value = os.environ.get(name)
-    return cast(value) if value is not None else default
+    if value is None:
+        return default
+    try:
+        return cast(value)
+    except ValueError:
+        raise SystemExit(f"environment variable {name}={value!r} is not a valid {cast.__name__}") from None
 
 
 def parse_args(argv=None):

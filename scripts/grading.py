@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import ast
 import filecmp
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -130,26 +132,62 @@ def build_release(root: Path, dest: Path) -> list[Path]:
         return sorted(p.relative_to(generated) for p in generated.rglob("*") if p.is_file())
 
 
-def release(root: Path = REPO_ROOT, out_dir: Path | None = None) -> list[Path]:
+RELEASED = ".released.json"
+"""In notebooks/: the sha256 of every file release wrote, to tell its own files from a learner's edits."""
+
+
+class ReleaseRefused(RuntimeError):
+    """release would overwrite or delete student notebooks that were edited after it wrote them."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def edited_since_release(out_dir: Path, paths) -> list[Path]:
+    """Those of `paths` (existing files in out_dir) whose bytes are not what release last wrote there."""
+    try:
+        written = json.loads((out_dir / RELEASED).read_text())
+    except (OSError, ValueError):
+        written = {}
+    return [p for p in paths if p.is_file() and written.get(p.relative_to(out_dir).as_posix()) != _sha256(p)]
+
+
+def release(root: Path = REPO_ROOT, out_dir: Path | None = None, force: bool = False) -> list[Path]:
     """Regenerate out_dir (default root/notebooks) from root/solutions; returns the files that changed.
 
     Files are rewritten only when their bytes change; a notebook whose source was deleted is removed.
-    Other files in out_dir (a learner's runs/, say) are left alone.
+    Other files in out_dir (a learner's runs/, say) are left alone. A notebook edited after release wrote it
+    (a learner's answers, or just outputs saved by JupyterLab) is never overwritten or deleted silently:
+    ReleaseRefused names it, unless force. out_dir/.released.json records what release wrote.
     """
     root = Path(root)
     out_dir = Path(out_dir) if out_dir is not None else root / RELEASE_DIR
     changed = []
     with tempfile.TemporaryDirectory(prefix="release-") as fresh:
         files = build_release(root, Path(fresh))
-        for rel in files:
+        to_write = [rel for rel in files if not (out_dir / rel).is_file()
+                    or not filecmp.cmp(Path(fresh) / rel, out_dir / rel, shallow=False)]
+        orphans = _orphan_notebooks(root, out_dir)
+        edited = edited_since_release(out_dir, [out_dir / rel for rel in to_write] + orphans)
+        if edited and not force:
+            raise ReleaseRefused(
+                "release would overwrite or delete notebooks that were changed since it wrote them (a learner's "
+                "work?):\n" + "\n".join(f"  {p}" for p in edited) + "\nNothing was written. Work in the "
+                "workspace that `make lab` creates (workspace/, which release never touches); copy these files "
+                "there first if they hold work to keep. To overwrite them anyway: python scripts/grading.py "
+                "release --force")
+        for rel in to_write:
             target = out_dir / rel
-            if not target.is_file() or not filecmp.cmp(Path(fresh) / rel, target, shallow=False):
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(Path(fresh) / rel, target)
-                changed.append(target)
-    for orphan in _orphan_notebooks(root, out_dir):
-        orphan.unlink()
-        changed.append(orphan)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(fresh) / rel, target)
+            changed.append(target)
+        for orphan in orphans:
+            orphan.unlink()
+            changed.append(orphan)
+        record = {rel.as_posix(): _sha256(out_dir / rel) for rel in files}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RELEASED).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return changed
 
 
@@ -168,6 +206,13 @@ def compare_release(fresh: Path, root: Path = REPO_ROOT) -> list[str]:
                       and filecmp.cmp(rel, released / rel.relative_to(fresh), shallow=False))]
     if released.is_dir():
         stale += [str(nb.relative_to(root)) for nb in _orphan_notebooks(root, released)]
+    record = {rel.relative_to(fresh).as_posix(): _sha256(rel) for rel in fresh.rglob("*") if rel.is_file()}
+    try:
+        up_to_date = json.loads((released / RELEASED).read_text()) == record
+    except (OSError, ValueError):
+        up_to_date = False
+    if not up_to_date:
+        stale.append(f"{RELEASE_DIR}/{RELEASED}")
     return sorted(stale)
 
 
@@ -320,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     rel = commands.add_parser("release", help="regenerate notebooks/ from solutions/")
     rel.add_argument("--out-dir", type=Path, default=None, help="write here instead of notebooks/")
+    rel.add_argument("--force", action="store_true",
+                     help="overwrite student notebooks even if they were edited since the last release")
     commands.add_parser("check-stale", help="exit 1 if notebooks/ differs from a fresh release")
     commands.add_parser("check-solutions", help="autograde every instructor notebook: score and seconds each")
     grade = commands.add_parser("autograde", help="grade submitted/<student>/<assignment>/")
@@ -330,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
 
     root = args.root.resolve()
     if args.command == "release":
-        changed = release(root, args.out_dir)
+        try:
+            changed = release(root, args.out_dir, force=args.force)
+        except ReleaseRefused as refused:
+            print(refused, file=sys.stderr)
+            return 1
         where = args.out_dir or root / RELEASE_DIR
         print(f"released {', '.join(assignments(root))} into {where}: "
               + (f"{len(changed)} file(s) changed" if changed else "already up to date"))

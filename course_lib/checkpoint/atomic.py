@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -291,6 +292,35 @@ def clear_checkpoints(directory) -> list[Path]:
     for p in removed:
         p.unlink()
     return removed
+
+
+EARLIER_RUNS = "earlier_runs"
+RUN_FILES = ("metrics.jsonl", "tb")
+"""What a training run writes next to its checkpoints (course_lib.core.metrics): moved with them."""
+
+
+def move_earlier_run(directory) -> Path | None:
+    """Move an earlier run's checkpoints, metrics and TensorBoard logs out of the way, into
+    directory/earlier_runs/<time>/, and return that folder (None if there was nothing to move).
+
+    A fresh run in a run directory must not resume the old run's latest.pt by accident, and must not delete it
+    either: nothing is lost, and the earlier run stays readable (evaluate.py, read_metrics) where it went.
+    """
+    directory = Path(directory)
+    found = list_checkpoints(directory) + [p for p in [directory / LATEST, *(directory / f for f in RUN_FILES)]
+                                           if p.exists()]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = directory / EARLIER_RUNS / stamp
+    n = 1
+    while target.exists():
+        n += 1
+        target = directory / EARLIER_RUNS / f"{stamp}-{n}"
+    target.mkdir(parents=True)
+    for path in found:
+        os.replace(path, target / path.name)
+    return target
 
 
 def main(argv=None):

@@ -1,12 +1,17 @@
 """Ranked checkpoints: every rank writes its own shard, rank 0 writes the manifest last.
 
     directory/
-      rank_00000.pt ... rank_0000{N-1}.pt   one shard per rank: a slice of the flattened parameters + RNG + extra
-      manifest.json                         written last: world size, step, parameter names/shapes, shard sizes
+      rank_00000-<save>.pt ... rank_0000{N-1}-<save>.pt   one shard per rank: a slice of the flattened parameters,
+                                                          RNG and extra; <save> is new at every save
+      manifest.json                                       written last: world size, step, parameter names/shapes,
+                                                          the shard files with their sizes and sha256
 
 The parameters are flattened in a fixed order, padded with zeros to a multiple of the world size and cut into
 equal slices (as ZeRO-3 and FSDP do), so N ranks write in parallel and none writes the whole model. A checkpoint
-without manifest.json is incomplete (a rank died while saving) and is refused. Loading with a different world
+without manifest.json is incomplete (a rank died while saving) and is refused. Saving again into the same
+directory writes new shard files beside the old ones; the new manifest replaces the old one atomically (the
+commit point), and only then are the old shards deleted: a save that dies half-way leaves the previous
+checkpoint whole and loadable. Loading with a different world
 size is refused unless `reshard=True`: the parameters are then reassembled and re-split, and per-rank state
 (RNG, data position) is dropped because it has no meaning for the new ranks.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import secrets
 from pathlib import Path
 
 import torch
@@ -29,8 +35,8 @@ FORMAT = "course_lib.checkpoint.ranked"
 MANIFEST = "manifest.json"
 
 
-def shard_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
+def shard_file(rank: int, save_id: str | None = None) -> str:
+    return f"rank_{rank:05d}.pt" if save_id is None else f"rank_{rank:05d}-{save_id}.pt"
 
 
 def _flat_parameters(model: nn.Module) -> tuple[torch.Tensor, list[tuple[str, list[int]]]]:
@@ -55,24 +61,27 @@ def save_ranked_checkpoint(directory, model: nn.Module, *, step: int, extra: dic
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory.mkdir(parents=True, exist_ok=True)
     manifest_path = directory / MANIFEST
-    if rank == 0:
-        manifest_path.unlink(missing_ok=True)  # from now on the directory is "being written"
-    dist.barrier()
+    save_id = [secrets.token_hex(4) if rank == 0 else None]
+    dist.broadcast_object_list(save_id, src=0)  # one name for this save's shards, beside any earlier checkpoint's
+    files = [shard_file(r, save_id[0]) for r in range(world_size)]
     flat, params = _flat_parameters(model)
     start, end, padded = shard_bounds(flat.numel(), rank, world_size)
     shard = torch.nn.functional.pad(flat, (0, padded - flat.numel()))[start:end].clone()
     payload = {"format": FORMAT, "rank": rank, "world_size": world_size, "step": step, "shard": shard,
                "rng": get_rng_state(), "extra": extra or {}}
-    atomic_write(directory / shard_file(rank), lambda f: torch.save(payload, f))
+    atomic_write(directory / files[rank], lambda f: torch.save(payload, f))
     dist.barrier()  # every shard is on disk before the manifest says the checkpoint exists
     if rank == 0:
         config = getattr(unwrap_model(model), "config", None)
         manifest = {"format": FORMAT, "step": step, "world_size": world_size, "numel": flat.numel(),
                     "padded_numel": padded, "params": params,
                     "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
-                    "shards": [{"rank": r, "file": shard_file(r), "bytes": (directory / shard_file(r)).stat().st_size,
-                                "sha256": _sha256(directory / shard_file(r))} for r in range(world_size)]}
-        atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+                    "shards": [{"rank": r, "file": files[r], "bytes": (directory / files[r]).stat().st_size,
+                                "sha256": _sha256(directory / files[r])} for r in range(world_size)]}
+        atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))  # the commit point
+        for old in directory.glob("rank_*.pt"):  # an earlier checkpoint's shards, no longer listed anywhere
+            if old.name not in files:
+                old.unlink()
     dist.barrier()
     return manifest_path
 
@@ -135,7 +144,7 @@ def load_ranked_checkpoint(directory, model: nn.Module, *, reshard: bool = False
             current[name].copy_(tensor)
     result = {"step": manifest["step"], "world_size": manifest["world_size"], "extra": {}, "resharded": False}
     if manifest["world_size"] == world_size:
-        own = torch.load(directory / shard_file(rank), map_location="cpu", weights_only=True)
+        own = torch.load(directory / manifest["shards"][rank]["file"], map_location="cpu", weights_only=True)
         result["extra"] = own["extra"]
         if restore_rng:
             set_rng_state(own["rng"])

@@ -43,3 +43,34 @@ def refuse_then_reshard(directory: str) -> dict:
     except ValueError as err:
         refused = str(err)
     return {"refused": refused, **load_ranked_here(directory, reshard=True)}
+
+
+def save_twice_dying(directory: str, die_at: str, dying_rank: int = 0) -> None:
+    """Save step 1, then save step 2 into the same directory, with `dying_rank` SIGKILLed in the middle of it:
+    die_at "shard" (while writing its shard) or "manifest" (with every shard written, just before the commit).
+
+    What a crash test needs: whatever moment the save dies at, the step-1 checkpoint must stay loadable.
+    """
+    import os
+    import signal
+    from unittest import mock
+
+    from course_lib.checkpoint import ranked
+
+    if die_at not in ("shard", "manifest"):
+        raise ValueError(f"die_at must be 'shard' or 'manifest', got {die_at!r}")
+    rank = get_dist_info().rank
+    save_ranked_checkpoint(directory, seeded_gpt(0, "tiny"), step=1)
+    real_write = ranked.atomic_write
+
+    def dying_write(path, write):
+        is_manifest = str(path).endswith(ranked.MANIFEST)
+        if rank == dying_rank and is_manifest == (die_at == "manifest"):
+            if die_at == "shard":
+                with open(f"{path}.tmp-dying", "wb") as f:  # half a file on disk, as a crash leaves it
+                    f.write(b"half a shard")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(path, write)
+
+    with mock.patch.object(ranked, "atomic_write", dying_write):
+        save_ranked_checkpoint(directory, seeded_gpt(1, "tiny"), step=2)

@@ -99,6 +99,17 @@ def _up_to_date(data_dir: Path, sha: str, val_fraction: float) -> bool:
         return False
 
 
+def _user_files(data_dir: Path) -> list[str]:
+    """Token files in data_dir that prepare_tokens did not write (no meta.json of its own beside them)."""
+    if (data_dir / "meta.json").exists():
+        try:
+            if "corpus_sha256" in json.loads((data_dir / "meta.json").read_text()):
+                return []  # the course's prepared corpus: prepare_tokens may refresh it
+        except (OSError, ValueError):
+            pass
+    return sorted(p.name for p in data_dir.glob("*.bin")) if data_dir.is_dir() else []
+
+
 def prepare_tokens(data_dir="data", val_fraction: float = 0.1, force: bool = False,
                    progress: bool = True) -> dict[str, Path]:
     """Tokenize the corpus into data_dir/{train,val}.bin (uint8) and data_dir/meta.json.
@@ -118,6 +129,12 @@ def prepare_tokens(data_dir="data", val_fraction: float = 0.1, force: bool = Fal
     sha = hashlib.sha256(raw).hexdigest()
     if not force and _up_to_date(data_dir, sha, val_fraction):
         return paths
+    theirs = _user_files(data_dir)
+    if theirs:
+        raise FileExistsError(f"{data_dir} holds token files that were not prepared from the course corpus "
+                              f"({', '.join(theirs)}, no course meta.json): nothing is written there. Give each "
+                              f"split its file ({', '.join(f'{s}.bin' for s in SPLITS)}), or use another data_dir "
+                              "for the course corpus")
     text, tokenizer = raw.decode("utf-8"), ByteTokenizer()
     tokens = np.empty(len(raw), dtype=np.uint8)  # byte ids fit uint8: 1 byte per token on disk
     filled = 0
@@ -152,8 +169,16 @@ def load_tokens(split: str, data_dir="data") -> torch.Tensor:
         raise ValueError(f"unknown split {split!r}: expected one of {SPLITS}")
     path = Path(data_dir) / f"{split}.bin"
     if not path.exists():
+        theirs = _user_files(Path(data_dir))
+        if theirs:  # the user's own data: never replace it with the course corpus
+            raise FileNotFoundError(f"{path} is missing: {data_dir} holds your token files ({', '.join(theirs)}) "
+                                    f"and no {split} split. Add {split}.bin (uint8 token ids), or point data_dir "
+                                    "at a folder with both splits")
         prepare_tokens(data_dir)
-    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+    tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+    if len(tokens) == 0:
+        raise ValueError(f"{path} is empty: the {split} split has no tokens")
+    return tokens
 
 
 def _check_stream(tokens, batch_size: int, block_size: int) -> None:

@@ -10,7 +10,13 @@ the first pipeline stage: ceil(L / pp) layers with their matrices split over tp,
   activations    per layer and micro-batch, 16-bit, sequence parallel (Korthikanti et al. 2022, table 2):
                  s b h (34 + 5 a s / h) / tp   stored        34 s b h / tp   selective recompute (or
                  FlashAttention, which never stores the a x s x s scores)    2 s b h / tp   full recompute;
-                 under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight
+                 under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight.
+                 Assumption: 34 s b h is derived for GPT-3's block, whose MLP is 4h wide with GeLU (its input
+                 and output, 16 s b h) and which has dropout (2 s b h of masks). It is used unchanged for these
+                 SwiGLU shapes, whose MLP saves four s x b x F tensors instead (gate, silu(gate), up and their
+                 product: 8 s b F bytes in 16-bit; course_lib.memory.activations.layer_terms counts them) and
+                 which have no dropout. With F >= 8h/3, as here, that is more, so the activation figures are
+                 somewhat low: read them as a lower bound.
   DP traffic     course_lib.memory.formulas.data_parallel_traffic: 2 (n-1)/n x 2 bytes x parameters per step
                  (ZeRO-3: 3 (n-1)/n x 2 bytes x parameters per micro-batch: it gathers them again each time)
   TP traffic     4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward; sequence parallel
@@ -59,7 +65,9 @@ class ModelShape:
         return count_parameters(self.config(1))
 
 
-# LLaMA-7B's shape, a 70B and GPT-3 175B's shape with a SwiGLU MLP of the same size (8 h^2 per layer).
+# LLaMA-7B's shape, a 70B and GPT-3 175B's shape with a SwiGLU MLP. A SwiGLU MLP has three h x F matrices,
+# 3 h F parameters per layer: about 8 h^2 for the 7B (F = 11008 ~ 8h/3) and for the 175B (F = 8h/3, the size of
+# GPT-3's 4h GeLU MLP), 9 h^2 for the 70B (F = 3h).
 MODELS = {
     "7B": ModelShape("7B", n_layer=32, n_embd=4096, n_head=32, ffn_hidden=11008, vocab_size=32000),
     "70B": ModelShape("70B", n_layer=80, n_embd=8192, n_head=64, ffn_hidden=24576, vocab_size=32000),

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -100,6 +103,27 @@ def get_dist_info() -> DistInfo:
     return DistInfo(rank, world_size, local_rank, local_world_size, backend, rank_device(local_rank, device_kind))
 
 
+def exit_with_parent() -> None:
+    """Under torchrun: die when the agent that started this rank dies (SIGKILL included), as launch()'s ranks do.
+
+    Without it, ranks whose agent was killed keep training (and writing metrics and checkpoints) with nobody to
+    stop them. Linux's parent-death signal does it at once; elsewhere a thread checks the parent once a second.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the agent died before the signal was armed
+        os._exit(1)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def init_distributed(backend: str | None = None, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
                      store: dist.Store | None = None) -> DistInfo:
     """Join the process group described by the environment (or a 1-rank group when there is none).
@@ -109,6 +133,8 @@ def init_distributed(backend: str | None = None, device: str = "auto", timeout_s
     """
     if dist.is_initialized():
         return get_dist_info()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by a torchrun agent
+        exit_with_parent()
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     if not 0 <= rank < world_size:
@@ -130,6 +156,9 @@ def init_distributed(backend: str | None = None, device: str = "auto", timeout_s
             if name not in os.environ:
                 raise RuntimeError(f"environment variable {name} is not set; WORLD_SIZE={world_size} needs a "
                                    "rendezvous address (torchrun or course_lib.runtime.launch sets it)")
+        if not 0 < _env_int("MASTER_PORT") < 65536:
+            raise RuntimeError(f"environment variable MASTER_PORT must be a port number (1-65535), got "
+                               f"{os.environ['MASTER_PORT']!r}")
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     return get_dist_info()
 

@@ -242,13 +242,18 @@ def _start_method() -> str:
 
 
 def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None, *, backend: str | None = None,
-           device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, log_dir: str | os.PathLike = "logs",
+           device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, log_dir: str | os.PathLike | None = None,
            threads_per_rank: int | None = None, echo: bool = True, master_addr: str = "127.0.0.1") -> list:
     """Run `worker(*args, **kwargs)` on `world_size` ranks; return the list of their return values.
 
     backend: None picks gloo on CPU, "cpu:gloo,cuda:nccl" on CUDA (env.CUDA_BACKEND). device: 'cpu', 'cuda' or 'auto'.
     timeout_s: collective timeout and hang watchdog. threads_per_rank: default cores // world_size (>= 1).
+    log_dir: where rank r writes <log_dir>/rank_<r>/train.log. None: a folder of this launch's own,
+    logs/launches/<time>-<pid>-<n>/, so that launches running at the same time never mix their logs; when it
+    ends, each rank's log is also copied to logs/rank_<r>/train.log (the latest launch's).
     Raises RankFailure naming the rank that failed first.
+
+    In a script, call it under `if __name__ == "__main__":`: spawned ranks import the script again.
     """
     positive_int("world_size", world_size)
     if timeout_s <= 0:
@@ -266,6 +271,10 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
     # Forked ranks must be forked before the store's server thread exists (a lock it holds would stay locked
     # in the child forever): they are started first and receive the port through their pipe.
     store = host_store() if method == "spawn" else None
+    latest = None
+    if log_dir is None:
+        latest = Path(DEFAULT_LOG_DIR)
+        log_dir = _launch_log_dir(latest)
     options = dict(backend=backend, device=device, timeout_s=timeout_s, log_dir=str(log_dir), threads=threads,
                    echo=echo, parent_pid=os.getpid())
     procs, conns = [], []
@@ -293,6 +302,29 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
         for conn in conns:
             conn.close()
         del store
+        if latest is not None:
+            _publish_latest(log_dir, latest, world_size)
+
+
+DEFAULT_LOG_DIR = "logs"
+_LAUNCHES = iter(range(1, 1 << 30))
+
+
+def _launch_log_dir(root: Path) -> Path:
+    """logs/launches/<time>-<pid>-<n>: one folder per launch, whoever else launches at the same time."""
+    return root / "launches" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_LAUNCHES)}"
+
+
+def _publish_latest(log_dir, latest: Path, world_size: int) -> None:
+    """Copy each rank's log of this launch to logs/rank_<r>/train.log (replaced atomically: the latest launch's)."""
+    for rank in range(world_size):
+        source = Path(log_dir) / f"rank_{rank}" / "train.log"
+        if source.is_file():
+            target = latest / f"rank_{rank}" / "train.log"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".train.log.{os.getpid()}.tmp")
+            tmp.write_bytes(source.read_bytes())
+            os.replace(tmp, target)
 
 
 def run_each(calls):
@@ -398,6 +430,11 @@ def _fail(procs, open_conns, drain, results, errors, deaths, log_dir, timeout_s)
     rank = min(errors or deaths)
     message = errors[rank][1] if rank in errors else _signal_name(deaths[rank] or 0)
     remote_tb = errors[rank][2] if rank in errors else _log_tail(log_dir, rank)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if rank not in errors and not (Path(log_dir) / f"rank_{rank}" / "train.log").exists() and main_file:
+        remote_tb += (f"\nrank {rank} ended before it started: if {main_file} calls launch() at its top level, put "
+                      "the call under `if __name__ == \"__main__\":` (each spawned rank imports the script again, "
+                      "and would launch again)")
     _stop_all(procs)
     raise RankFailure(f"rank {rank} failed: {message}\nall {len(procs)} ranks were stopped.\n{remote_tb}",
                       rank, deaths.get(rank), remote_tb)

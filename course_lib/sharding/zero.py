@@ -12,9 +12,15 @@ consecutive elements; the last rank's tail is padding. What a rank keeps, after 
 
 AdamW state = exp_avg and exp_avg_sq (fp32), plus, in precision="mixed", an fp32 master copy of the
 shard (the parameters and gradients are then bf16): K = 12 bytes per element; in "fp32" the parameters
-are the fp32 weights and K = 8. Each rank needs the averaged gradient of its shard only, so stages 1 and 2
-reduce-scatter the gradients (stage 1 after backward, stage 2 during it), update their shard, then an
-all-gather rebuilds the full parameters: Psi + Psi elements on the wire, the 2 Psi of DDP's all-reduce.
+are the fp32 weights and K = 8. Gradients are always *summed over the ranks in fp32*: in "mixed" each bf16
+gradient is cast to fp32 before its collective, so the N contributions are added without bf16 rounding
+(the "reduce in fp32" of FSDP's reduce_dtype). The stored gradients stay bf16, the 2 bytes of the ZeRO
+paper's 2 + 2 + K: stage 1 hands the fp32 average straight to AdamW, stages 2 and 3 round it to bf16 once,
+into their gradient shard. The gradient collectives then carry 4 bytes per element instead of 2.
+
+Each rank needs the averaged gradient of its shard only, so stages 1 and 2 reduce-scatter the gradients
+(stage 1 after backward, stage 2 during it), update their shard, then an all-gather rebuilds the full
+parameters: Psi + Psi elements on the wire, the 2 Psi of DDP's all-reduce.
 Use it inside every rank of a job (course_lib.runtime.launch or torchrun):
 
     zero = apply_zero(model, stage=2, lr=1e-3, weight_decay=0.1)
@@ -189,12 +195,13 @@ class ZeroOptimizer:
     def _grad_ready(self, param: nn.Parameter) -> None:
         """Hook (stages 2, 3): reduce-scatter this gradient into the owners' shards, then free it."""
         offset = self.offset_of[param]
-        grad = param.grad.reshape(-1)
+        grad = param.grad.reshape(-1).float()  # reduce in fp32 (a copy in "mixed"; the tensor itself in "fp32")
         pieces = self.layout.pieces(offset, offset + grad.numel())
         inputs = [grad[lo - offset:hi - offset] for lo, hi in pieces]  # uneven: most ranks own none of it
         lo, hi = pieces[self.rank]
-        mine = torch.empty(hi - lo, dtype=grad.dtype, device=self.device)
+        mine = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
         dist.reduce_scatter(mine, inputs, op=dist.ReduceOp.SUM, group=self.group)
+        # The shard has the compute dtype (bf16 in "mixed"): the fp32 average is rounded once, here.
         self.grad_shard[lo - self.layout.start:hi - self.layout.start].add_(mine.div_(self.world_size))
         self.comm_volume["reduce_scatter"] += grad.numel()
         param.grad = None
@@ -213,16 +220,21 @@ class ZeroOptimizer:
         if missing:
             raise RuntimeError(f"parameters without .grad: {missing}; call loss.backward() before step()")
         if self.stage == 0:  # DDP: every rank gets the full averaged gradient, 2 Psi of traffic
-            allreduce_gradients(self.model, group=self.group)
             self.comm_volume["all_reduce"] += 2 * self.layout.numel
-            return self.layout.my_shard([p.grad for p in self.params], torch.float32)
+            if self.dtype == torch.float32:
+                allreduce_gradients(self.model, group=self.group)
+                return self.layout.my_shard([p.grad for p in self.params], torch.float32)
+            flat = self.layout.flatten([p.grad for p in self.params], torch.float32)  # bf16 grads, summed in fp32
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            return flat.div_(self.world_size)
         # Stage 1 keeps the full local gradients (the memory stage 2 saves), but a rank needs the average of
         # its own shard only: one reduce-scatter of the padded flat gradient, half the traffic of an all-reduce.
-        flat = self.layout.flatten([p.grad for p in self.params], self.dtype)
-        mine = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        # The flat copy is fp32 whatever the compute dtype, so the sum over the ranks is not rounded to bf16.
+        flat = self.layout.flatten([p.grad for p in self.params], torch.float32)
+        mine = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
         dist.reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
         self.comm_volume["reduce_scatter"] += flat.numel()
-        return mine.float().div_(self.world_size)
+        return mine.div_(self.world_size)
 
     # ------------------------------------------------------------------------------ the step
     def step(self) -> None:

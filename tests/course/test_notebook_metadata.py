@@ -8,10 +8,16 @@ valid nbformat; kernelspec `python3`; exactly one code cell tagged `parameters`;
 cell; nbgrader cells have unique grade ids; autograded test cells are locked code cells with points and
 hidden tests; `### BEGIN/END SOLUTION` and `### BEGIN/END HIDDEN TESTS` are balanced and sit only in
 solution / autograded cells respectively.
+
+Text: no markdown cell of solutions/ and no book/ page holds a TAB character (or a form feed, backspace or
+vertical tab, the other escapes a backslash can produce before a letter) followed by a letter. That is
+what a LaTeX command becomes when a tool reads its backslash as an escape: "\\text" written in a
+non-raw Python string turns into a TAB + "ext" (likewise "\\times", "\\tau"; "\\frac" → form feed + "rac").
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -22,6 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SOLUTIONS = sorted((REPO_ROOT / "solutions").glob("*/*.ipynb"))
 RELEASED = sorted((REPO_ROOT / "notebooks").glob("*/*.ipynb"))
+BOOK_PAGES = sorted(p for p in (REPO_ROOT / "book").rglob("*.md") if "_static" not in p.parts)
+EATEN_BACKSLASH = re.compile(r"[\t\f\b\v][A-Za-z]")  # "\text", "\frac", "\beta", "\vec" with the backslash eaten
 
 
 def ident(path: Path) -> str:
@@ -103,3 +111,33 @@ def test_graded_notebooks_pair_solutions_with_tests(path):
     graded = [c for c in nb.cells if nbgrader(c).get("grade")]
     assert len(graded) >= len(solution_cells), \
         f"{ident(path)}: {len(solution_cells)} code solution cells but only {len(graded)} autograded test cells"
+
+
+def eaten_backslashes(text: str) -> list[str]:
+    """Each line of `text` where a control character (TAB, form feed, backspace, vertical tab) is followed by a
+    letter, shown with the character escaped."""
+    return [ascii(line.strip())[:120] for line in text.splitlines() if EATEN_BACKSLASH.search(line)]
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=ident)
+def test_markdown_cells_have_no_eaten_backslashes(path):
+    nb = read(path)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            bad = eaten_backslashes(cell.source)
+            assert not bad, (f"{ident(path)}, cell {cell.get('id')}: a LaTeX backslash was read as an escape "
+                             f"(e.g. \\text -> TAB + 'ext'); restore the backslash: {bad}")
+
+
+def test_book_pages_have_no_eaten_backslashes():
+    assert BOOK_PAGES, "no book pages found"
+    bad = {str(p.relative_to(REPO_ROOT)): lines for p in BOOK_PAGES
+           if (lines := eaten_backslashes(p.read_text(encoding="utf-8")))}
+    assert not bad, f"a LaTeX backslash was read as an escape (e.g. \\text -> TAB + 'ext'): {bad}"
+
+
+def test_the_eaten_backslash_check_catches_what_it_should():
+    assert eaten_backslashes("$p + (-\text{lr}) \\cdot g$") == [ascii("$p + (-\text{lr}) \\cdot g$")]
+    assert eaten_backslashes("$\\frac{a}{b}$ and\tindented") != []  # a TAB before a letter fails anyway
+    assert eaten_backslashes("$\\text{lr} \\cdot g$, \\frac{a}{b}") == []
+    assert eaten_backslashes("a\t$x$ and a\t1") == []  # a TAB before anything else is left alone

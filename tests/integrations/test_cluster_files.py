@@ -221,6 +221,8 @@ def test_sbatch_default_launch_line_agrees_with_torchrun_and_the_training_cli(tm
     assert done.returncode == 0, done.stdout + done.stderr
     (call,) = srun_calls(tmp_path)
     assert call["options"]["--kill-on-bad-exit"] == "1" and call["options"]["--ntasks-per-node"] == "1"
+    # Slurm >= 22.05: srun does not inherit --cpus-per-task from sbatch; without it the step gets one CPU.
+    assert call["options"].get("--cpus-per-task") == env["SLURM_CPUS_PER_TASK"], call["options"]
     launch, cfg = parse_launch(call["command"])
     torch_env = slurm_to_torch_env(dict(env, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0"))
     assert launch.nnodes == str(nnodes) and launch.nproc_per_node == str(gpus)

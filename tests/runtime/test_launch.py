@@ -1,6 +1,7 @@
 """The launcher: real ranks, results back in rank order, failures named and contained, no leftovers."""
 
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -133,3 +134,33 @@ def test_fork_start_method_gives_the_same_results(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "threads")
     with pytest.raises(ValueError, match="COURSE_LAUNCH_START_METHOD='threads'"):
         launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / "bad", timeout_s=30)
+
+
+def test_launches_at_the_same_time_keep_their_own_logs(tmp_path, monkeypatch):
+
+    monkeypatch.chdir(tmp_path)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: launch(demo_workers.allreduce_demo, world_size=2, echo=False), range(2)))
+    assert all([r["after"] for r in result] == [3.0, 3.0] for result in results)
+    runs = sorted((tmp_path / "logs" / "launches").iterdir())
+    assert len(runs) == 2, runs
+    for run in runs:
+        for rank in range(2):
+            log = (run / f"rank_{rank}" / "train.log").read_text()
+            assert log.count("after all_reduce: 3") == 1, log  # this launch's lines only, once
+    latest = (tmp_path / "logs" / "rank_1" / "train.log").read_text()
+    assert latest in {(run / "rank_1" / "train.log").read_text() for run in runs}
+
+
+def test_a_script_that_launches_without_a_main_guard_is_told_what_to_add(tmp_path):
+    import subprocess
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("from course_lib.runtime.launch import launch\n"
+                      "from course_lib.runtime.demo_workers import allreduce_demo\n"
+                      "launch(allreduce_demo, 2, log_dir='logs', timeout_s=20)\n")
+    env = {k: v for k, v in os.environ.items() if k != "COURSE_LAUNCH_START_METHOD"}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]

@@ -1,0 +1,188 @@
+"""The training CLI never loses work and names what is wrong: the user's data folder is never written to, a
+split too short for block_size or a vocabulary too small for the data stops the run before step 1, a fresh run
+moves an earlier one aside instead of deleting it, a changed schedule on resume is applied and said, a failing
+final evaluation still leaves the final checkpoint."""
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import course_lib.train as train_module
+from course_lib.checkpoint.atomic import EARLIER_RUNS, LATEST, load_checkpoint
+from course_lib.core.optim import get_lr
+from course_lib.train import TrainConfig, train
+
+
+def quick(tmp_path, **overrides) -> TrainConfig:
+    values = dict(dataset="synthetic", block_size=32, batch_size=4, max_steps=6, warmup_steps=2, lr=1e-2,
+                  eval_interval=0, eval_batches=2, ckpt_interval=0, out_dir=str(tmp_path / "run"),
+                  progress=False, tensorboard=False, threads=1)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_a_data_folder_with_the_users_files_is_never_written_to(tmp_path):
+    data = tmp_path / "mine"
+    data.mkdir()
+    np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tofile(data / "train.bin")
+    before = digest(data)
+    with pytest.raises(FileNotFoundError, match=r"val\.bin is missing.*train\.bin"):
+        train(quick(tmp_path, dataset="corpus", data_dir=str(data)))
+    assert digest(data) == before, "the user's data folder was written to"
+
+
+def test_an_empty_split_is_named(tmp_path):
+    data = tmp_path / "mine"
+    data.mkdir()
+    np.zeros(5000, dtype=np.uint8).tofile(data / "train.bin")
+    (data / "val.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"val\.bin is empty"):
+        train(quick(tmp_path, dataset="corpus", data_dir=str(data)))
+
+
+def test_a_split_shorter_than_block_size_stops_the_run_before_step_1(tmp_path):
+    data = tmp_path / "mine"
+    data.mkdir()
+    np.ones(5000, dtype=np.uint8).tofile(data / "train.bin")
+    np.ones(1000, dtype=np.uint8).tofile(data / "val.bin")
+    config = quick(tmp_path, dataset="corpus", data_dir=str(data), block_size=1500, config_path=None)
+    with pytest.raises(ValueError, match=r"block_size=1500 does not fit the val split: .*val\.bin holds 1,000 tokens"):
+        train(config)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "no step may run before the splits are checked"
+
+
+def test_a_vocabulary_smaller_than_the_data_is_named(tmp_path):
+    config_path = tmp_path / "model.json"
+    config_path.write_text('{"vocab_size": 200, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 32}')
+    with pytest.raises(ValueError, match=r"vocab_size=200 is too small for the synthetic dataset: it holds token id"):
+        train(quick(tmp_path, config_path=str(config_path)))
+
+
+def test_a_fresh_run_moves_the_earlier_one_aside(tmp_path, capsys):
+    first = train(quick(tmp_path, max_steps=4))
+    earlier = load_checkpoint(first["checkpoint"], restore_rng=False)
+    train(quick(tmp_path, max_steps=3))
+    note = capsys.readouterr()
+    moved = list((tmp_path / "run" / EARLIER_RUNS).iterdir())
+    assert len(moved) == 1 and "moved to" in note.out + note.err
+    kept = load_checkpoint(moved[0] / LATEST, restore_rng=False)
+    assert kept["step"] == 4 and torch.equal(kept["model"]["tok_emb.weight"], earlier["model"]["tok_emb.weight"])
+    assert (moved[0] / "metrics.jsonl").exists()
+    assert load_checkpoint(tmp_path / "run" / LATEST, restore_rng=False)["step"] == 3
+
+
+def test_a_changed_lr_on_resume_is_applied_and_said(tmp_path, capsys):
+    train(quick(tmp_path, max_steps=4))
+    result = train(quick(tmp_path, max_steps=8, lr=1e-3, resume=True))
+    out = capsys.readouterr()
+    assert "lr 0.01 -> 0.001" in out.out + out.err
+    first_resumed = result["history"][0]
+    assert first_resumed["step"] == 5
+    want = get_lr(4, max_lr=1e-3, min_lr=1e-4, warmup_steps=2, max_steps=8)  # min_lr None: lr / 10
+    assert first_resumed["lr"] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_resume_with_another_global_batch_names_the_ranks_and_the_batch(tmp_path):
+    train(quick(tmp_path, max_steps=2))
+    with pytest.raises(ValueError, match=r"global batch of 4 rows.*--batch_size 8 x 1 rank\(s\) = 8"):
+        train(quick(tmp_path, max_steps=4, batch_size=8, resume=True))
+
+
+def test_a_failing_final_evaluation_still_leaves_the_final_checkpoint(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(train_module, "evaluate", broken)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train(quick(tmp_path, max_steps=3))
+    assert load_checkpoint(tmp_path / "run" / LATEST, restore_rng=False)["step"] == 3
+
+
+def test_a_bad_master_port_is_named(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc", "WORLD_SIZE": "2",
+           "RANK": "0", "LOCAL_RANK": "0"}
+    cli = subprocess.run([sys.executable, "-m", "course_lib.train", "--strategy", "ddp", "--dataset", "synthetic",
+                          "--max_steps", "1", "--out_dir", str(tmp_path / "run"), "--no-progress", "--no-tensorboard"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert cli.returncode != 0 and "MASTER_PORT must be an integer, got 'abc'" in cli.stderr
+    launcher = subprocess.run([sys.executable, "scripts/fake_multi_node_launcher.py", "--nnodes", "1", "x.py"],
+                              env=env, capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parents[1])
+    assert launcher.returncode != 0 and "MASTER_PORT='abc' is not a valid int" in launcher.stderr
+
+
+def test_the_cli_prints_an_input_error_as_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    data = tmp_path / "mine"
+    data.mkdir()
+    np.ones(5000, dtype=np.uint8).tofile(data / "train.bin")
+    command = [sys.executable, "-m", "course_lib.train", "--data_dir", str(data), "--max_steps", "1",
+               "--out_dir", str(tmp_path / "run"), "--no-progress", "--no-tensorboard"]
+    cli = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2, cli.stderr
+    assert "val.bin is missing" in cli.stderr and "Traceback" not in cli.stderr
+    debug = subprocess.run(command + ["--debug"], capture_output=True, text=True, timeout=120)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+@pytest.mark.distributed
+def test_ranks_started_by_torchrun_die_with_their_agent(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+                              "course_lib.train", "--strategy", "ddp", "--dataset", "synthetic", "--max_steps",
+                              "100000", "--eval_interval", "0", "--batch_size", "2", "--block_size", "16",
+                              "--model_size", "tiny", "--out_dir", str(tmp_path / "run"), "--no-progress",
+                              "--no-tensorboard", "--threads", "1", "--log_dir", str(tmp_path / "logs")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metrics.exists(), "training never started"
+        ranks = [p for p in psutil.Process(agent.pid).children(recursive=True) if "course_lib.train" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"ranks still running 10 s after their torchrun agent was killed: {alive}"
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
+
+
+def test_evaluate_names_a_bad_split_and_an_empty_file_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    train(quick(tmp_path, max_steps=2))
+    data = tmp_path / "mine"
+    data.mkdir()
+    np.ones(100, dtype=np.uint8).tofile(data / "train.bin")
+    (data / "val.bin").write_bytes(b"")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "evaluate.py"
+    bad_split = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), "--split", "test"],
+                               capture_output=True, text=True, timeout=120)
+    assert bad_split.returncode == 2 and "--split: invalid choice: 'test'" in bad_split.stderr
+    empty = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), "--data_dir", str(data)],
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "val.bin is empty" in empty.stderr and "Traceback" not in empty.stderr

@@ -41,3 +41,11 @@ c.Autograde.autograde_preprocessors = [GradeInSandbox, IgnorePattern, ClearMetad
 c.GradeInSandbox.source_directory = c.CourseDirectory.source_directory
 # An exercise's check runs in seconds (those that start ranks too); one that takes minutes is stuck, not slow.
 c.GradeInSandbox.timeout = 150
+
+# Feedback pages show each test cell and what it printed, but not the hidden tests' code (nbgrader shows them by
+# default): a learner reads the failing check's message and may resubmit; the hidden checks stay hidden.
+# scripts/grading.py then serves the pages' MathJax from the course's vendored copy, so formulas render offline.
+from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor  # noqa: E402
+from nbgrader.preprocessors import ClearHiddenTests, GetGrades  # noqa: E402
+
+c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]

@@ -101,13 +101,25 @@ def normalise_notebook(path: Path) -> None:
         nb.metadata.pop(key, None)
     if "language_info" in nb.metadata:  # the source's Python version is not part of the release
         nb.metadata.language_info = {"name": nb.metadata.language_info.get("name", "python")}
+    heading = "this exercise"
     for cell in nb.cells:
         for key in VOLATILE_CELL_METADATA:
             cell.metadata.pop(key, None)
+        if cell.cell_type == "markdown":
+            heading = next((line.lstrip("#").strip() for line in cell.source.splitlines() if line.startswith("## ")),
+                           heading)
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+            if cell.metadata.get("nbgrader", {}).get("solution"):
+                cell.source = cell.source.replace("raise NotImplementedError()", _stub(heading))
     nbformat.validate(nb)
     nbformat.write(nb, path)
+
+
+def _stub(heading: str) -> str:
+    """The line a learner replaces: its error names the exercise and says what to do."""
+    title = re.sub(r"\s*\(\d+ points?\)$", "", heading).replace('"', "'")
+    return f'raise NotImplementedError("{title}: replace this line with your code, then run the test cell below")'
 
 
 def build_release(root: Path, dest: Path) -> list[Path]:
@@ -207,12 +219,13 @@ def compare_release(fresh: Path, root: Path = REPO_ROOT) -> list[str]:
     if released.is_dir():
         stale += [str(nb.relative_to(root)) for nb in _orphan_notebooks(root, released)]
     record = {rel.relative_to(fresh).as_posix(): _sha256(rel) for rel in fresh.rglob("*") if rel.is_file()}
-    try:
-        up_to_date = json.loads((released / RELEASED).read_text()) == record
-    except (OSError, ValueError):
-        up_to_date = False
-    if not up_to_date:
-        stale.append(f"{RELEASE_DIR}/{RELEASED}")
+    if (released / RELEASED).exists():  # a copy of a release without its record has nothing to compare
+        try:
+            up_to_date = json.loads((released / RELEASED).read_text()) == record
+        except ValueError:
+            up_to_date = False
+        if not up_to_date:
+            stale.append(f"{RELEASE_DIR}/{RELEASED}")
     return sorted(stale)
 
 
@@ -251,7 +264,39 @@ def autograde(root: Path = REPO_ROOT, assignment: str | None = None, student: st
         run_nbgrader(root, "autograde", a, "--force", *student_args)
         if feedback:
             run_nbgrader(root, "generate_feedback", a, "--force", *student_args)
+    if feedback:
+        offline_feedback(root / "feedback")
     return read_scores(root, ids, student)
+
+
+MATHJAX_SOURCE = REPO_ROOT / "book" / "_static" / "mathjax"
+FEEDBACK_MATHJAX = "_mathjax"
+_CDN_MATHJAX = re.compile(r'<script src="https://cdn[^"]*mathjax[^"]*">\s*</script>\s*'
+                          r'(<!-- MathJax configuration -->\s*)?<script type="text/x-mathjax-config">.*?</script>',
+                          re.S | re.I)
+
+
+def offline_feedback(feedback_dir: Path) -> list[Path]:
+    """Make nbgrader's feedback pages render their formulas offline: the MathJax 2 that nbconvert's template
+    loads from a CDN is replaced by the course's vendored MathJax 3, copied once into feedback/_mathjax/.
+    Returns the pages rewritten."""
+    feedback_dir = Path(feedback_dir)
+    pages = sorted(feedback_dir.glob("*/*/*.html"))
+    if not pages:
+        return []
+    if not (feedback_dir / FEEDBACK_MATHJAX / "tex-chtml.js").is_file():
+        shutil.copytree(MATHJAX_SOURCE, feedback_dir / FEEDBACK_MATHJAX, dirs_exist_ok=True)
+    local = (f'<script>window.MathJax = {{tex: {{inlineMath: [["$", "$"], ["\\\\(", "\\\\)"]], '
+             f'displayMath: [["$$", "$$"], ["\\\\[", "\\\\]"]], processEscapes: true}}}};</script>\n'
+             f'<script src="../../{FEEDBACK_MATHJAX}/tex-chtml.js"></script>')
+    rewritten = []
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        new = _CDN_MATHJAX.sub(lambda _: local, html, count=1)
+        if new != html:
+            page.write_text(new, encoding="utf-8")
+            rewritten.append(page)
+    return rewritten
 
 
 def read_scores(root: Path, assignment_ids: list[str], student: str | None = None) -> Scores:

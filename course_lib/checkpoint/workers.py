@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from course_lib.checkpoint import ranked
 from course_lib.checkpoint.ranked import load_ranked_checkpoint, read_manifest, save_ranked_checkpoint
 from course_lib.core.model import GPTConfig
 from course_lib.runtime.env import get_dist_info
@@ -55,7 +56,6 @@ def save_twice_dying(directory: str, die_at: str, dying_rank: int = 0) -> None:
     import signal
     from unittest import mock
 
-    from course_lib.checkpoint import ranked
 
     if die_at not in ("shard", "manifest"):
         raise ValueError(f"die_at must be 'shard' or 'manifest', got {die_at!r}")

@@ -255,3 +255,17 @@ def test_every_glossary_link_resolves(html_dir, pages):
                 broken.append(f"{page_name}: {href}")
     assert links >= MIN_GLOSSARY_TERMS, f"only {links} links into the glossary; the chapters should use {{term}}"
     assert not broken, f"glossary links that lead nowhere: {broken}"
+
+
+@pytest.mark.parametrize("session", "abcde")
+def test_every_session_gives_instructors_a_90_minute_class_of_its_own_notebooks(session):
+    """Seed 003 plans 90-minute sessions: each chapter says what to do in class and what is homework."""
+    chapter = (SOURCE / "book" / f"session_{session}" / "index.md").read_text(encoding="utf-8")
+    assert "## A 90-minute class" in chapter
+    plan = chapter.split("## A 90-minute class", 1)[1].split("\n## ", 1)[0]
+    notebooks = {p.stem for p in (SOURCE / "notebooks" / f"session_{session}").glob("*.ipynb")}
+    named = set(re.findall(r"`(\d\db?_\w+)`", plan))
+    assert named and named <= notebooks, f"the plan names notebooks that do not exist: {sorted(named - notebooks)}"
+    minutes = [int(m) for m in re.findall(r"^\| \d+–(\d+) \|", plan, re.M)]
+    assert minutes and minutes[-1] == 90 and minutes == sorted(minutes), minutes
+    assert "Homework:" in plan

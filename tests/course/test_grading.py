@@ -1817,7 +1817,7 @@ def test_stale_and_orphan_notebooks_are_reported(fresh_release, tmp_path):
     shutil.copytree(fresh_release, tmp_path / "notebooks")
     assert grading.compare_release(fresh_release, tmp_path) == []
     edited = tmp_path / "notebooks" / assignment / f"{name}.ipynb"
-    edited.write_text(edited.read_text().replace("raise NotImplementedError()", "pass", 1))
+    edited.write_text(edited.read_text().replace("raise NotImplementedError(", "print(", 1))
     shutil.copyfile(edited, tmp_path / "notebooks" / assignment / "99_no_source.ipynb")
     assert grading.compare_release(fresh_release, tmp_path) == [
         f"notebooks/{assignment}/{name}.ipynb", f"notebooks/{assignment}/99_no_source.ipynb"]
@@ -1856,7 +1856,8 @@ def test_release_contains_no_solution_and_no_hidden_test(source):
     assert not leaked, f"{released}: solution or hidden-test lines leaked: {leaked}"
     for cell in release_cells:
         if cell.metadata.get("nbgrader", {}).get("solution") and cell.cell_type == "code":
-            assert "raise NotImplementedError()" in cell.source, f"{released}, {grade_id(cell)}: no code stub"
+            assert "raise NotImplementedError(\"" in cell.source, f"{released}, {grade_id(cell)}: no code stub"
+            assert ": replace this line with your code" in cell.source, f"{released}, {grade_id(cell)}: the stub says what to do"
 
 
 # ------------------------------------------------------------------ autograde, through nbgrader
@@ -1918,3 +1919,49 @@ def test_the_course_grades_at_least_100_points_on_real_ranks_and_the_book_says_h
     assert {p.parent.name for p in launching} >= {"session_b", "session_c", "session_d", "session_e"}, launching
     chapter = (REPO_ROOT / "book" / "session_a" / "index.md").read_text(encoding="utf-8")
     assert f"{total:g} points in all" in chapter, f"book/session_a/index.md should say '{total:g} points in all'"
+
+
+def test_feedback_renders_offline_and_keeps_the_hidden_tests_hidden(tmp_path):
+    """nbgrader's feedback page for a submission: formulas from the vendored MathJax (no CDN), hidden tests absent,
+    the failing check's message present."""
+    notebook = MESH_LAYOUT
+    course = grading.stage_course(REPO_ROOT, tmp_path / "course", [notebook.assignment])
+    submission = nbformat.read(notebook.student_version, as_version=4)
+    path = course / "submitted" / "alice" / notebook.assignment / f"{notebook.name}.ipynb"
+    path.parent.mkdir(parents=True)
+    nbformat.write(submission, path)
+    grading.autograde(course, notebook.assignment, "alice", feedback=True)
+    page = course / "feedback" / "alice" / notebook.assignment / f"{notebook.name}.html"
+    html = page.read_text(encoding="utf-8")
+    assert "cdnjs" not in html and "mathjax/2." not in html.lower(), "the feedback page loads MathJax from a CDN"
+    local = re.search(r'<script src="([^"]*tex-chtml\.js)"', html)
+    assert local and (page.parent / local.group(1)).resolve().is_file(), "the vendored MathJax is not where the page looks"
+    cells = nbformat.read(notebook.source, as_version=4).cells
+    split = [_regions(cell.source, ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")) for cell in cells]
+    visible = "\n".join(rest for _, rest in split)
+    hidden = [line.strip() for lines, _ in split for line in lines if len(line.strip()) > 30
+              and line.strip() not in visible]
+    assert hidden, "no hidden test lines to look for"
+    shown = html_text(html)
+    assert not [line for line in hidden if line in shown], "the feedback page shows hidden tests"
+    assert "NotImplementedError" in shown, "the page should show why the untouched exercise failed"
+
+
+def _regions(source: str, markers: tuple[str, str]) -> tuple[list[str], str]:
+    """(lines between the markers, the rest)."""
+    inside, lines, rest = False, [], []
+    for line in source.splitlines():
+        if line.strip().startswith(markers[0]):
+            inside = True
+        elif line.strip().startswith(markers[1]):
+            inside = False
+        else:
+            (lines if inside else rest).append(line)
+    return lines, "\n".join(rest)
+
+
+def html_text(html: str) -> str:
+    """The page's text with tags dropped and entities decoded (code is highlighted span by span)."""
+    import html as html_module
+
+    return html_module.unescape(re.sub(r"<[^>]+>", "", html))

@@ -186,3 +186,44 @@ def test_evaluate_names_a_bad_split_and_an_empty_file_in_one_line(tmp_path):
     empty = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), "--data_dir", str(data)],
                            capture_output=True, text=True, timeout=120)
     assert empty.returncode == 2 and "val.bin is empty" in empty.stderr and "Traceback" not in empty.stderr
+
+
+BAD_CLI_INPUTS = {
+    # name: (arguments, what the message must name)
+    "batch_size 0": (["--batch_size", "0"], "batch_size"),
+    "negative lr": (["--lr", "-1"], "lr must be positive"),
+    "unknown preset": (["--model_size", "huge"], "model_size"),
+    "unknown precision": (["--precision", "fp8"], "precision"),
+    "unknown device": (["--device", "tpu"], "device"),
+    "unknown strategy": (["--strategy", "pipeline"], "strategy"),
+    "unknown dataset": (["--dataset", "wiki"], "dataset"),
+    "max_steps 0": (["--max_steps", "0"], "max_steps"),
+    "grad_accum_steps 0": (["--grad_accum_steps", "0"], "grad_accum_steps"),
+    "block_size 0": (["--block_size", "0"], "block_size"),
+    "warmup longer than the run": (["--warmup_steps", "50", "--max_steps", "10"], "warmup_steps"),
+    "min_lr above lr": (["--min_lr", "1", "--lr", "0.1"], "min_lr"),
+    "threads 0": (["--threads", "0"], "threads"),
+    "eval_batches 0": (["--eval_batches", "0"], "eval_batches"),
+    "keep_last 0": (["--keep_last", "0"], "keep_last"),
+    "negative grad_clip": (["--grad_clip", "-1"], "grad_clip"),
+    "missing model config": (["--config_path", "{tmp}/missing.json"], "missing.json"),
+    "model config not JSON": (["--config_path", "{tmp}/broken.json"], "broken.json"),
+    "unknown model config field": (["--config_path", "{tmp}/unknown.json"], "n_layers"),
+    "resume without a checkpoint": (["--resume", "--out_dir", "{tmp}/empty"], "empty"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_CLI_INPUTS)
+def test_each_bad_cli_input_exits_2_naming_what_is_wrong(name, tmp_path, capsys):
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "unknown.json").write_text('{"n_layers": 2}')
+    arguments, named = BAD_CLI_INPUTS[name]
+    argv = [a.format(tmp=tmp_path) for a in arguments]
+    for flag, value in (("--dataset", "synthetic"), ("--max_steps", "2"), ("--out_dir", str(tmp_path / "run"))):
+        if flag not in argv:
+            argv += [flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        train_module.main(argv + ["--no-progress", "--no-tensorboard"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err

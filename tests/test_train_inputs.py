@@ -4,11 +4,18 @@ moves an earlier one aside instead of deleting it, a changed schedule on resume 
 final evaluation still leaves the final checkpoint."""
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
+from test_train import quick_config  # tests/ is on sys.path (tests/conftest.py)
 
 import course_lib.train as train_module
 from course_lib.checkpoint.atomic import EARLIER_RUNS, LATEST, load_checkpoint
@@ -17,11 +24,9 @@ from course_lib.train import TrainConfig, train
 
 
 def quick(tmp_path, **overrides) -> TrainConfig:
-    values = dict(dataset="synthetic", block_size=32, batch_size=4, max_steps=6, warmup_steps=2, lr=1e-2,
-                  eval_interval=0, eval_batches=2, ckpt_interval=0, out_dir=str(tmp_path / "run"),
-                  progress=False, tensorboard=False, threads=1)
-    values.update(overrides)
-    return TrainConfig(**values)
+    """test_train's quick config, shorter: 6 steps of 4 rows, no evaluation until the last step."""
+    return quick_config(tmp_path, **{"batch_size": 4, "max_steps": 6, "warmup_steps": 2, "eval_interval": 0,
+                                     "eval_batches": 2, **overrides})
 
 
 def digest(folder):
@@ -106,10 +111,7 @@ def test_a_failing_final_evaluation_still_leaves_the_final_checkpoint(tmp_path, 
 
 
 def test_a_bad_master_port_is_named(tmp_path, monkeypatch):
-    import subprocess
-    import sys
-
-    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc", "WORLD_SIZE": "2",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc", "WORLD_SIZE": "2",
            "RANK": "0", "LOCAL_RANK": "0"}
     cli = subprocess.run([sys.executable, "-m", "course_lib.train", "--strategy", "ddp", "--dataset", "synthetic",
                           "--max_steps", "1", "--out_dir", str(tmp_path / "run"), "--no-progress", "--no-tensorboard"],
@@ -122,9 +124,6 @@ def test_a_bad_master_port_is_named(tmp_path, monkeypatch):
 
 
 def test_the_cli_prints_an_input_error_as_one_clear_line(tmp_path):
-    import subprocess
-    import sys
-
     data = tmp_path / "mine"
     data.mkdir()
     np.ones(5000, dtype=np.uint8).tofile(data / "train.bin")
@@ -139,13 +138,6 @@ def test_the_cli_prints_an_input_error_as_one_clear_line(tmp_path):
 
 @pytest.mark.distributed
 def test_ranks_started_by_torchrun_die_with_their_agent(tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import psutil
 
     metrics = tmp_path / "run" / "metrics.jsonl"
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
@@ -159,7 +151,8 @@ def test_ranks_started_by_torchrun_die_with_their_agent(tmp_path):
         while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert metrics.exists(), "training never started"
-        ranks = [p for p in psutil.Process(agent.pid).children(recursive=True) if "course_lib.train" in " ".join(p.cmdline())]
+        ranks = [p for p in psutil.Process(agent.pid).children(recursive=True)
+                 if "course_lib.train" in " ".join(p.cmdline())]
         assert len(ranks) == 2, ranks
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
@@ -171,9 +164,6 @@ def test_ranks_started_by_torchrun_die_with_their_agent(tmp_path):
 
 
 def test_evaluate_names_a_bad_split_and_an_empty_file_in_one_line(tmp_path):
-    import subprocess
-    import sys
-
     train(quick(tmp_path, max_steps=2))
     data = tmp_path / "mine"
     data.mkdir()

@@ -36,6 +36,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("node", "notebooks", "train", "tests", "mfu")
 NOTEBOOK_TIMEOUT_S = 900
+POINT_TO_POINT = {"session_e/02_pipeline_parallel": 2}
+"""Notebooks whose ranks send tensors to each other (send/recv), with their number of ranks: gloo cannot send CUDA
+tensors and NCCL needs one GPU per rank, so on a node with fewer GPUs they run on the CPU, and the table says why."""
 
 
 def cuda_summary() -> str:
@@ -61,11 +64,25 @@ def node_check() -> dict:
         props = torch.cuda.get_device_properties(i)
         rows[f"cuda:{i}"] = (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, capability "
                              f"{props.major}.{props.minor}, bf16 {torch.cuda.is_bf16_supported()}")
-    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    rows["bf16 matmul"] = f"sum {(x @ x).float().sum().item():.3e} (finite: {bool(torch.isfinite((x @ x).float()).all())})"
+    rows["bf16 matmul"] = bf16_matmul_tflops()
     for name, value in rows.items():
         print(f"  {name:<12} {value}")
     return rows
+
+
+def bf16_matmul_tflops(n: int = 8192, repeats: int = 10) -> str:
+    """The card's bf16 matrix-product rate on random n x n x n operands: the ceiling that MFU is read against."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        c = a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        c = a @ b
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / repeats
+    finite = bool(torch.isfinite(c).all())
+    return f"{2 * n**3 / seconds / 1e12:.0f} TFLOP/s ({n} x {n} x {n}, mean of {repeats}; finite: {finite})"
 
 
 # ------------------------------------------------------------------------------------------ notebooks
@@ -89,42 +106,70 @@ def parameter_names(nb) -> set[str]:
             for t in node.targets if isinstance(t, ast.Name)}
 
 
-def run_notebooks(device: str = "cuda", only: list[str] | None = None, out_dir: Path | None = None) -> list[dict]:
-    """Execute each notebook with papermill, its test parameters and `device` where it has that parameter.
-
-    Returns one row per notebook: name, seconds, "passed" or the error's last line, and what device it ran on.
-    """
+def _run_notebook(path: Path, device: str, out_dir: Path, env_backend: str | None, deadline: float | None) -> dict:
+    """One notebook under papermill (a module-level function, so a process pool can run several at once)."""
     import papermill
 
+    name = f"{path.parent.name}/{path.stem}"
+    nb = nbformat.read(path, as_version=4)
+    declared = parameter_names(nb)
+    parameters = dict(nb.metadata.get("course", {}).get("test_parameters", {}))
+    for folder in ("out_dir", "data_dir"):
+        if folder in declared:
+            parameters[folder] = str(out_dir / path.stem / folder)
+    on = "CPU (no device parameter)"
+    if "device" in declared:
+        parameters["device"] = device
+        on = device + (f" (ranks on {env_backend})" if env_backend else "")
+        ranks = POINT_TO_POINT.get(name, 0)
+        if device == "cuda" and torch.cuda.device_count() < ranks:
+            parameters["device"] = "cpu"
+            on = f"cpu: send/recv, {ranks} ranks > {torch.cuda.device_count()} GPU(s)"
+    if deadline is not None and time.time() > deadline:
+        return {"notebook": name, "seconds": 0.0, "status": "not run (the --time_limit was reached)", "on": on}
+    start = time.perf_counter()
+    try:
+        papermill.execute_notebook(str(path), str(out_dir / f"{path.stem}.ipynb"), parameters=parameters,
+                                   kernel_name="python3", cwd=str(path.parent), progress_bar=False,
+                                   execution_timeout=NOTEBOOK_TIMEOUT_S)
+        status = "passed"
+        detail = ""
+    except Exception as err:  # noqa: BLE001 (reported in the table; the step fails at the end)
+        status = "FAILED: " + (str(err).strip().splitlines() or [type(err).__name__])[-1][:160]
+        detail = str(err)[-2500:]
+    return {"notebook": name, "seconds": round(time.perf_counter() - start, 1), "status": status, "on": on,
+            "detail": detail}
+
+
+def run_notebooks(device: str = "cuda", only: list[str] | None = None, out_dir: Path | None = None,
+                  jobs: int = 1, time_limit_s: float | None = None) -> list[dict]:
+    """Execute each notebook with papermill, its test parameters and `device` where it has that parameter.
+
+    jobs > 1 runs that many notebooks at once (their times then include the sharing of cores and GPU).
+    time_limit_s: notebooks not started by then are listed as not run. Returns one row per notebook: name,
+    seconds, "passed" or the error's last line, and what device it ran on.
+    """
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="gpu-check-"))
-    rows = []
+    out_dir.mkdir(parents=True, exist_ok=True)
     env_backend = None
     if device == "cuda" and torch.cuda.device_count() < 4:  # the notebooks start up to 4 ranks
         env_backend = os.environ.setdefault("COURSE_BACKEND", "gloo")
-    for path in notebook_sources():
-        name = f"{path.parent.name}/{path.stem}"
-        if only and not any(o in name for o in only):
-            continue
-        nb = nbformat.read(path, as_version=4)
-        declared = parameter_names(nb)
-        parameters = dict(nb.metadata.get("course", {}).get("test_parameters", {}))
-        for folder in ("out_dir", "data_dir"):
-            if folder in declared:
-                parameters[folder] = str(out_dir / path.stem / folder)
-        on = "CPU (no device parameter)"
-        if "device" in declared:
-            parameters["device"] = device
-            on = device + (f" (ranks on {env_backend})" if env_backend else "")
-        start = time.perf_counter()
-        try:
-            papermill.execute_notebook(str(path), str(out_dir / f"{path.stem}.ipynb"), parameters=parameters,
-                                       kernel_name="python3", cwd=str(path.parent), progress_bar=False,
-                                       execution_timeout=NOTEBOOK_TIMEOUT_S)
-            status = "passed"
-        except Exception as err:  # noqa: BLE001 (reported in the table; the step fails at the end)
-            status = "FAILED: " + (str(err).strip().splitlines() or [type(err).__name__])[-1][:160]
-        rows.append({"notebook": name, "seconds": round(time.perf_counter() - start, 1), "status": status, "on": on})
-        print(f"  {name:<44} {rows[-1]['seconds']:>7.1f} s  {on:<28} {status}", flush=True)
+    deadline = time.time() + time_limit_s if time_limit_s else None
+    paths = [p for p in notebook_sources() if not only or any(o in f"{p.parent.name}/{p.stem}" for o in only)]
+    if jobs > 1:
+        print(f"  {jobs} notebooks at a time: each time includes sharing the cores and the GPU", flush=True)
+    rows = []
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(_run_notebook, p, device, out_dir, env_backend, deadline) for p in paths]
+        for future in futures:
+            rows.append(future.result())
+            print(f"  {rows[-1]['notebook']:<44} {rows[-1]['seconds']:>7.1f} s  {rows[-1]['on']:<28} "
+                  f"{rows[-1]['status']}", flush=True)
+            if rows[-1].get("detail"):
+                print("    " + rows[-1]["detail"].replace("\n", "\n    "), flush=True)
     return rows
 
 
@@ -142,9 +187,9 @@ def train_runs(out_dir: Path) -> list[dict]:
     rows = []
     for label, command in commands.items():
         start = time.perf_counter()
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
         last = (done.stdout.strip().splitlines() or [""])[-1]
-        status = "passed" if done.returncode == 0 else f"FAILED (exit {done.returncode}): {done.stderr[-400:]}"
+        status = "passed" if done.returncode == 0 else f"FAILED (exit {done.returncode}): {done.stderr[-2500:]}"
         rows.append({"run": label, "seconds": round(time.perf_counter() - start, 1), "status": status, "last": last})
         print(f"  {label:<28} {rows[-1]['seconds']:>7.1f} s  {status}\n    {last}", flush=True)
     return rows
@@ -153,9 +198,12 @@ def train_runs(out_dir: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------------ gpu tests
 def gpu_tests() -> dict:
     env = {**os.environ, "COURSE_DEVICE_GUARD": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-m", "gpu", "-p", "no:cacheprovider"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     summary = (done.stdout.strip().splitlines() or [""])[-1]
+    for line in done.stdout.splitlines():
+        if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR")):
+            print(f"    {line}")
     print(f"  pytest -m gpu: {summary}")
     if done.returncode != 0:
         print(done.stdout[-3000:])
@@ -163,14 +211,17 @@ def gpu_tests() -> dict:
 
 
 # ------------------------------------------------------------------------------------------ MFU
-def gpt2_small_mfu(batch_size: int = 16, steps: int = 10, compile_model: bool = True) -> dict:
-    """GPT-2 small in bf16 autocast on cuda:0: tokens/s, achieved FLOP/s and MFU (fraction of the dense bf16 peak)."""
+def gpt2_small_mfu(batch_size: int = 16, steps: int = 10, compile_model: bool = True,
+                   profile_to: Path | None = None) -> dict:
+    """GPT-2 small in bf16 autocast on cuda:0: tokens/s, achieved FLOP/s and MFU (fraction of the dense bf16 peak).
+
+    profile_to: also profile 3 more steps and write (and print) the operators that took the most GPU time.
+    """
     from course_lib.core.optim import configure_optimizer
     from course_lib.observability.profiling import gpu_peak_flops
     from course_lib.testing import seeded_gpt
 
     device = torch.device("cuda", 0)
-    torch.backends.cuda.matmul.allow_tf32 = True
     model = seeded_gpt(0, "gpt2-small").to(device)
     optimizer = configure_optimizer(model, 3e-4, fused=True)
     step_model = torch.compile(model) if compile_model else model
@@ -203,6 +254,17 @@ def gpt2_small_mfu(batch_size: int = 16, steps: int = 10, compile_model: bool = 
     print(f"  GPT-2 small ({result['params'] / 1e6:.0f}M), bf16, batch {batch_size} x {T}, "
           f"{'torch.compile' if compile_model else 'eager'} on {name}: {tokens_per_s:,.0f} tokens/s, "
           f"{result['achieved_tflops']:.1f} TFLOP/s achieved, MFU {mfu}")
+    if profile_to is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize(device)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        Path(profile_to).parent.mkdir(parents=True, exist_ok=True)
+        Path(profile_to).write_text(table)
+        print(f"  the operators with the most GPU time over 3 steps ({profile_to}):\n{table}")
     return result
 
 
@@ -212,8 +274,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu runs only the notebooks step, to check the runner itself on a machine without a GPU")
     parser.add_argument("--only", nargs="*", help="notebooks whose name contains one of these")
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks run at once (default 1)")
+    parser.add_argument("--time_limit", type=float, help="seconds after which no further notebook is started")
+    parser.add_argument("--mfu_batch", type=int, default=16, help="batch size of the MFU measurement (sequence 1024)")
+    parser.add_argument("--profile", action="store_true", help="profile the MFU steps and print the top operators")
     parser.add_argument("--json", type=Path, help="also write every step's results to this file")
-    parser.add_argument("--out_dir", type=Path, help="where runs and executed notebooks go (default: a temporary folder)")
+    parser.add_argument("--out_dir", type=Path,
+                        help="where runs and executed notebooks go (default: a temporary folder)")
     args = parser.parse_args(argv)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = sorted(set(steps) - set(STEPS))
@@ -234,7 +301,7 @@ def main(argv=None) -> int:
             if step == "node":
                 results[step] = node_check()
             elif step == "notebooks":
-                results[step] = run_notebooks(args.device, args.only, out_dir / "notebooks")
+                results[step] = run_notebooks(args.device, args.only, out_dir / "notebooks", args.jobs, args.time_limit)
                 failed += [r["notebook"] for r in results[step] if r["status"] != "passed"]
             elif step == "train":
                 results[step] = train_runs(out_dir / "train")
@@ -243,7 +310,8 @@ def main(argv=None) -> int:
                 results[step] = gpu_tests()
                 failed += ["pytest -m gpu"] if results[step]["returncode"] else []
             elif step == "mfu":
-                results[step] = gpt2_small_mfu()
+                results[step] = gpt2_small_mfu(args.mfu_batch,
+                                               profile_to=out_dir / "mfu_profile.txt" if args.profile else None)
         except Exception as err:  # noqa: BLE001 (a step that breaks is reported, the others still run)
             print(f"  {step} failed: {type(err).__name__}: {err}")
             failed.append(step)

@@ -125,7 +125,10 @@ def check_parity(ranks: list[dict], reference: dict) -> dict:
         for kind in worst:
             for name, expected in reference[kind].items():
                 got = result[kind][name]
-                torch.testing.assert_close(got, expected, msg=lambda m: f"{where}: {kind} {name}: {m}")
+                # parameters after AdamW steps: a gradient that differs in its last bits (matmuls split over other
+                # core counts) moves an element whose gradient is near zero by more than fp32's default tolerance
+                tolerance = {"rtol": 1e-4, "atol": 1e-4} if kind == "params" else {}
+                torch.testing.assert_close(got, expected, **tolerance, msg=lambda m: f"{where}: {kind} {name}: {m}")
                 worst[kind] = max(worst[kind], (got - expected).abs().max().item())
     replicas = {}
     for result in ranks:

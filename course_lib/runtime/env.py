@@ -77,10 +77,16 @@ def backend_uses_cuda(backend: str) -> bool:
     return "nccl" in backend
 
 
-def rank_device(local_rank: int, device: str = "auto") -> torch.device:
-    """One GPU per local rank when CUDA is there (and asked for); the CPU otherwise."""
+def rank_device(local_rank: int, device: str = "auto", local_world_size: int | None = None) -> torch.device:
+    """One GPU per local rank when CUDA is there (and asked for); the CPU otherwise.
+
+    "auto" takes the GPUs only when the node has one for each of its local_world_size ranks (default: the
+    LOCAL_WORLD_SIZE variable that torchrun and launch set): 2 ranks on a 1-GPU machine all use the CPU rather
+    than one rank on the GPU and one on the CPU, which no backend can join.
+    """
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "cpu"
+        ranks_here = local_world_size or _env_int("LOCAL_WORLD_SIZE", local_rank + 1)
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_here else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device='cuda' was requested but torch.cuda.is_available() is False")
@@ -88,6 +94,15 @@ def rank_device(local_rank: int, device: str = "auto") -> torch.device:
     if device != "cpu":
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     return torch.device("cpu")
+
+
+def check_one_gpu_per_rank(backend: str, local_world_size: int) -> None:
+    """NCCL needs a GPU of its own for each rank: say so before NCCL fails with a message about duplicate GPUs."""
+    if backend_uses_cuda(backend) and torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
+        raise RuntimeError(
+            f"{local_world_size} ranks on this node but {torch.cuda.device_count()} GPU(s): backend {backend!r} "
+            f"(NCCL) needs one GPU per rank. Start at most {torch.cuda.device_count()} rank(s) per node, use "
+            f"device='cpu' (--device cpu), or put the ranks on gloo with {BACKEND_VARIABLE}=gloo")
 
 
 def get_dist_info() -> DistInfo:
@@ -100,7 +115,8 @@ def get_dist_info() -> DistInfo:
     local_rank = _env_int("LOCAL_RANK", rank)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     device_kind = "cuda" if backend_uses_cuda(backend) else os.environ.get("COURSE_DEVICE", "cpu")
-    return DistInfo(rank, world_size, local_rank, local_world_size, backend, rank_device(local_rank, device_kind))
+    return DistInfo(rank, world_size, local_rank, local_world_size, backend,
+                    rank_device(local_rank, device_kind, local_world_size))
 
 
 def exit_with_parent() -> None:
@@ -140,8 +156,10 @@ def init_distributed(backend: str | None = None, device: str = "auto", timeout_s
     if not 0 <= rank < world_size:
         raise RuntimeError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
     local_rank = _env_int("LOCAL_RANK", rank)
-    torch_device = rank_device(local_rank, device)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    torch_device = rank_device(local_rank, device, local_world_size)
     backend = backend or os.environ.get(BACKEND_VARIABLE) or default_backend(torch_device)
+    check_one_gpu_per_rank(backend, local_world_size)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     os.environ["COURSE_DEVICE"] = torch_device.type

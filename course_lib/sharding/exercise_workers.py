@@ -41,7 +41,7 @@ class _Recorder:
         self.optimizers: list[torch.optim.Optimizer] = []
 
     def patches(self):
-        real = {name: getattr(dist, name) for name in REDUCE_SCATTERS + ALL_GATHERS}
+        real = {name: getattr(dist, name) for name in REDUCE_SCATTERS + ALL_GATHERS if hasattr(dist, name)}  # *_single: torch >= 2.12
 
         def wrap(name):
             def collective(output, input, *args, **kwargs):

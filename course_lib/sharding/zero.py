@@ -232,7 +232,7 @@ class ZeroOptimizer:
         # The flat copy is fp32 whatever the compute dtype, so the sum over the ranks is not rounded to bf16.
         flat = self.layout.flatten([p.grad for p in self.params], torch.float32)
         mine = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
-        dist.reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
+        dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
         self.comm_volume["reduce_scatter"] += flat.numel()
         return mine.div_(self.world_size)
 
@@ -254,7 +254,7 @@ class ZeroOptimizer:
             full = shard
         else:
             full = torch.empty(self.layout.shard_numel * self.layout.parts, dtype=shard.dtype, device=self.device)
-            dist.all_gather_single(full, shard, group=self.group)
+            dist.all_gather_into_tensor(full, shard, group=self.group)
             self.comm_volume["all_gather"] += full.numel()
         self.layout.unflatten_into(full, self.params)
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.runtime import device_guard
-from course_lib.runtime.env import CUDA_BACKEND, backend_uses_cuda, default_backend
+from course_lib.runtime.env import (CUDA_BACKEND, backend_uses_cuda, check_one_gpu_per_rank, default_backend,
+                                    rank_device)
 from course_lib.runtime.launch import DEVICE_GUARD_VARIABLE, launch
 from course_lib.runtime.demo_workers import allreduce_demo
 from course_lib.runtime.spawn import single_process_group
@@ -71,3 +72,22 @@ def test_cuda_ranks_get_nccl_with_gloo_beside_it():
     assert default_backend("cuda") == CUDA_BACKEND == "cpu:gloo,cuda:nccl"
     assert default_backend("cpu") == "gloo"
     assert backend_uses_cuda(CUDA_BACKEND) and backend_uses_cuda("nccl") and not backend_uses_cuda("gloo")
+
+
+def test_auto_takes_the_gpus_only_when_each_local_rank_has_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert rank_device(1, "auto", local_world_size=2) == torch.device("cuda", 1)
+    # 4 ranks on 2 GPUs: all on the CPU (never ranks 0-1 on GPUs and 2-3 on the CPU, which no backend joins)
+    assert [rank_device(r, "auto", local_world_size=4) for r in range(4)] == [torch.device("cpu")] * 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert rank_device(0, "auto") == torch.device("cpu")
+
+
+def test_nccl_with_more_ranks_than_gpus_is_refused_with_the_numbers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"2 ranks on this node but 1 GPU\(s\).*COURSE_BACKEND=gloo"):
+        check_one_gpu_per_rank(CUDA_BACKEND, 2)
+    check_one_gpu_per_rank("gloo", 2)  # gloo runs any number of ranks on one GPU's tensors
+    check_one_gpu_per_rank(CUDA_BACKEND, 1)

@@ -1,7 +1,7 @@
-"""The training CLI never loses work and names what is wrong: the user's data folder is never written to, a
-split too short for block_size or a vocabulary too small for the data stops the run before step 1, a fresh run
-moves an earlier one aside instead of deleting it, a changed schedule on resume is applied and said, a failing
-final evaluation still leaves the final checkpoint."""
+"""The training CLI and the library never lose work and name what is wrong: the user's data folder is never
+written to, a split too short for block_size or a vocabulary too small for the data stops the run before step 1,
+a fresh run moves an earlier one aside instead of deleting it, a changed schedule on resume is applied and said,
+a failing final evaluation still leaves the final checkpoint, and each bad input of the tables below is named."""
 
 import hashlib
 import os
@@ -19,7 +19,13 @@ from test_train import quick_config  # tests/ is on sys.path (tests/conftest.py)
 
 import course_lib.train as train_module
 from course_lib.checkpoint.atomic import EARLIER_RUNS, LATEST, load_checkpoint
+from course_lib.core.data import RandomBatches
+from course_lib.core.device import select_device
+from course_lib.core.model import GPTConfig
 from course_lib.core.optim import get_lr
+from course_lib.runtime.demo_workers import allreduce_demo
+from course_lib.runtime.env import init_distributed, rank_device
+from course_lib.runtime.launch import launch
 from course_lib.train import TrainConfig, train
 
 
@@ -217,3 +223,59 @@ def test_each_bad_cli_input_exits_2_naming_what_is_wrong(name, tmp_path, capsys)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err, err
+
+
+def _gpt(**fields):
+    return GPTConfig(**fields)
+
+
+def _launch(*args, **kwargs):
+    return launch(allreduce_demo, *args, **kwargs)
+
+
+def _init(env):
+    os.environ.update(env)
+    return init_distributed(backend="gloo", device="cpu")
+
+
+def _rank_device(device):
+    return rank_device(0, device)
+
+
+def _select_device(device):
+    return select_device(device)
+
+
+def _windows(tokens, block_size):
+    return RandomBatches(torch.zeros(tokens, dtype=torch.long), 2, block_size)
+
+
+BAD_LIBRARY_INPUTS = {
+    # name: (call, exception, what the message must name)
+    "n_embd not divisible by n_head": (lambda: _gpt(n_embd=100, n_head=3), ValueError, "GPTConfig.n_embd (100)"),
+    "odd head dimension": (lambda: _gpt(n_embd=12, n_head=4), ValueError, "must be even"),
+    "n_layer 0": (lambda: _gpt(n_layer=0), ValueError, "GPTConfig.n_layer"),
+    "dropout 1": (lambda: _gpt(dropout=1.0), ValueError, "GPTConfig.dropout"),
+    "unknown attention": (lambda: _gpt(attn_impl="flash"), ValueError, "GPTConfig.attn_impl"),
+    "negative norm_eps": (lambda: _gpt(norm_eps=-1.0), ValueError, "norm_eps"),
+    "world_size 0": (lambda: _launch(0), ValueError, "world_size"),
+    "timeout 0": (lambda: _launch(2, timeout_s=0), ValueError, "timeout_s"),
+    "RANK outside the world": (lambda: _init({"WORLD_SIZE": "2", "RANK": "5"}), RuntimeError, "RANK=5"),
+    "unknown rank device": (lambda: _rank_device("tpu"), ValueError, "'tpu'"),
+    "unknown device": (lambda: _select_device("tpu"), ValueError, "'tpu'"),
+    "split shorter than a window": (lambda: _windows(10, 64), ValueError, "64"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_LIBRARY_INPUTS)
+def test_each_bad_library_input_raises_naming_what_is_wrong(name, monkeypatch):
+    for variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    call, exception, named = BAD_LIBRARY_INPUTS[name]
+    try:
+        with pytest.raises(exception) as info:
+            call()
+    finally:
+        for variable in ("WORLD_SIZE", "RANK"):
+            os.environ.pop(variable, None)
+    assert named in str(info.value), str(info.value)

@@ -17,6 +17,9 @@ $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) -q -r requirements.txt 2>&1 | { grep -v '^WARNING: Location' || true; }
 	$(PY) -m pip install $(PIP_FLAGS) -q --no-deps -e . 2>&1 | { grep -v '^WARNING: Location' || true; }
+	@# matplotlib's font cache of its own: one written by another Python (same version key, other fonts) makes
+	@# every plot log "findfont: ... not found" to stderr under the figure
+	$(PY) scripts/venv_matplotlib.py
 	$(PY) -c "import torch, nbgrader, course_lib; print('environment ready: torch', torch.__version__)"
 	@touch $@
 

@@ -10,6 +10,9 @@ to end, and the reader still sees the traceback.
     with expect_error(ValueError):
         GPTConfig(n_embd=100, n_head=3)
 
+`shown(path)` prints a path the way a reader would type it (relative to the repository, `site-packages/...`
+for an installed library), so outputs and the book never show the folders of the machine that ran them.
+
 `predict()` and `reveal()` let a lab ask before it tells: the learner writes a prediction in a cell, the
 notebook prints it, runs the experiment, and shows the measurement next to it.
 
@@ -20,6 +23,8 @@ notebook prints it, runs the experiment, and shows the measurement next to it.
 
 from __future__ import annotations
 
+import site
+import sysconfig
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +40,45 @@ def repo_root(start: str | Path | None = None) -> Path:
     return here
 
 
+def _library_folders() -> list[Path]:
+    folders = {Path(p) for p in (*site.getsitepackages(), site.getusersitepackages(),
+                                 sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"]) if p}
+    return sorted(folders, key=lambda p: len(str(p)), reverse=True)  # the most specific folder first
+
+
+def shown(path: str | Path) -> str:
+    """`path` as a reader would type it: relative to the repository when inside it, `site-packages/torch/...`
+    (or `python/...` for the standard library) for installed code, `~/...` under the home folder, else as given.
+    """
+    raw = Path(path)
+    try:
+        resolved = raw.resolve()
+    except OSError:
+        return str(raw)
+    for folder in _library_folders():  # first: a virtual environment may live inside the repository
+        if folder in resolved.parents:
+            label = "site-packages" if "packages" in folder.name else "python"
+            return f"{label}/{resolved.relative_to(folder)}"
+    root = repo_root(Path(__file__).resolve().parents[1])
+    if resolved == root or root in resolved.parents:
+        return str(resolved.relative_to(root)) or "."
+    home = Path.home()
+    if home != Path("/") and home in resolved.parents:
+        return f"~/{resolved.relative_to(home)}"
+    return str(raw)
+
+
+def relative_paths(text: str) -> str:
+    """`text` with every folder of this machine written as `shown` writes it (an error message, a traceback)."""
+    for folder in _library_folders():
+        label = "site-packages" if "packages" in folder.name else "python"
+        text = text.replace(f"{folder}/", f"{label}/")
+    root = repo_root(Path(__file__).resolve().parents[1])
+    text = text.replace(f"{root}/", "")
+    home = Path.home()
+    return text.replace(f"{home}/", "~/") if home != Path("/") else text
+
+
 @contextmanager
 def expect_error(*error_types: type[BaseException]):
     """Catch and print the error the block raises (of error_types, default any Exception)."""
@@ -42,9 +86,14 @@ def expect_error(*error_types: type[BaseException]):
         yield
     except error_types or Exception as err:
         frames = traceback.extract_tb(err.__traceback__)[1:]  # drop this context manager's own frame
+        for frame in frames:
+            if "ipykernel_" in frame.filename or frame.filename.startswith("<"):
+                frame.filename = "<notebook cell>"  # the kernel keeps each cell's code in a temporary file
+            else:
+                frame.filename = shown(frame.filename)
         print("Traceback (most recent call last):")
         print("".join(traceback.format_list(frames[-6:])), end="")
-        print(f"{type(err).__name__}: {err}")
+        print(f"{type(err).__name__}: {relative_paths(str(err))}")
     else:
         print("no error was raised")
 

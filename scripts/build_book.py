@@ -7,7 +7,8 @@
 `make book` runs the first line. Notebooks are executed as _config.yml says (`execute_notebooks: cache`:
 once, then re-used from <out>/_build/.jupyter_cache until their code changes); the graded exercise
 notebooks listed under `execute: exclude_patterns` are shown unexecuted. After Sphinx, every page is
-checked for <script src> / <link href> pointing off the machine, and the vendored MathJax must be there.
+checked for <script src> / <link href> pointing off the machine, for the folders of the machine that built
+it and for stderr output boxes (scripts/output_checks.py), and the vendored MathJax must be there.
 Exits non-zero if anything fails.
 """
 
@@ -23,6 +24,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import yaml
+from output_checks import html_problems, machine_folders
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MATHJAX_IN_OUTPUT = Path("_static") / "mathjax" / "tex-chtml.js"
@@ -143,6 +145,7 @@ def build(source_dir: Path, out_dir: Path, execute: bool) -> int:
         problems.append(f"the vendored MathJax {html_dir / MATHJAX_IN_OUTPUT} is missing")
     for page, urls in remote_assets(html_dir).items():
         problems.append(f"{page} loads from the network: {', '.join(urls)}")
+    problems += html_problems(html_dir, machine_folders(source_dir))
     if problems:
         print("error: the book is not self-contained:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1

@@ -32,10 +32,10 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
+from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.pipeline_parallel.scratch import (
     GPTStage,
     PipelineRunner,
@@ -66,9 +66,9 @@ class DataParallel:
 
     def __init__(self, config: GPTConfig, seed: int, rank: int, world_size: int):
         self.model = seeded_gpt(seed, config=config)
-        # broadcast_buffers=False: the only buffers are RoPE's constant cos/sin tables, which DDP would
-        # otherwise broadcast before every forward: communication that is not gradient synchronisation.
-        self.ddp = DistributedDataParallel(self.model, broadcast_buffers=False)
+        # No buffer sync before each forward: the only buffers are RoPE's constant cos/sin tables, which DDP
+        # would otherwise broadcast before every forward: communication that is not gradient synchronisation.
+        self.ddp = apply_ddp(self.model)
         self.ddp.register_comm_hook(None, self._counting_allreduce)
         self.optimizer = configure_optimizer(self.model, **TRAINING)
         self.rank, self.world_size = rank, world_size

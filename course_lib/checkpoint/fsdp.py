@@ -19,6 +19,7 @@ Under FSDP no rank holds the whole model, so `model.state_dict()` returns DTenso
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -160,6 +161,8 @@ def load_sharded_checkpoint(directory, *, model: nn.Module, optimizer=None) -> n
     if optimizer is not None:
         raise ValueError("load an optimizer state from DCP through the sharded model (or save a full checkpoint)")
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())  # fills the tensors in place
+    with warnings.catch_warnings():  # torch warns that it will load "in a single process": what no_dist asks for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())  # fills the tensors in place
     model.load_state_dict(state["model"])
     return model

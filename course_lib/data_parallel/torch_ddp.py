@@ -10,6 +10,7 @@ Each rank logs to the `course` logger, which course_lib.runtime.launch writes to
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -29,16 +30,22 @@ from course_lib.testing import flat_parameters, global_batches, seeded_gpt
 log = logging.getLogger("course")
 
 
+_DDP_ARGUMENTS = set(inspect.signature(DistributedDataParallel.__init__).parameters)
+
+
 def apply_ddp(model: nn.Module, device: torch.device | None = None, group=None) -> DistributedDataParallel:
     """torch DDP over `group` (default: all ranks) on the model's device (one GPU per rank: device_ids; on the
     CPU: none). Returns the wrapper to train through; `model` stays the plain module (its state dict, evaluation).
 
-    broadcast_buffers=False: the model's only buffers are the rotary cos/sin tables, computed identically on
-    every rank, so re-sending rank 0's copy before every forward (DDP's default) would be wasted traffic.
+    No buffer sync before each forward: the model's only buffers are the rotary cos/sin tables, computed
+    identically on every rank, so re-sending rank 0's copy before every forward (DDP's default) would be wasted
+    traffic. torch 2.13 names that switch forward_sync_buffers (broadcast_buffers before it, now deprecated).
     """
     device = device or next(model.parameters()).device
+    no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGUMENTS
+                       else {"broadcast_buffers": False})
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   process_group=group, broadcast_buffers=False)
+                                   process_group=group, **no_forward_sync)
 
 
 class TokenWindows(Dataset):

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
 from course_lib.core.optim import configure_optimizer
+from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.observability.timing import machine_line, setup_threads, time_alternating, time_fn
 from course_lib.testing import seeded_gpt
 
@@ -139,8 +139,7 @@ def ddp_step_breakdown(preset: str = "tiny", batch_size: int = 16, steps: int = 
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, optimizer, batches = make_setup(preset, batch_size, data_dir=data_dir, seed=seed, rank=rank)
-    # The rotary cos/sin buffers are constants: broadcasting them every forward would only add traffic.
-    ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    ddp = apply_ddp(model)  # no buffer sync before each forward: the rotary tables are constants
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def separate():

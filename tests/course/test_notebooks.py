@@ -18,6 +18,8 @@ Conventions every notebook follows (tests/course/test_notebook_metadata.py check
   kernel (the interpreter running pytest, where course_lib is installed). The test fails if the run
   leaves new files in that folder, or under a folder named after the notebook in the repository's
   runs/, logs/ or data/ (where relative defaults such as out_dir="runs/session_a/<notebook>" point).
+* Outputs show no folder of the machine (print paths with `course_lib.nbtools.shown`) and no stderr unless the
+  cell is tagged `show-stderr` (scripts/output_checks.py; `make book` checks the built pages the same way).
 * Every cell runs without error, so papermill (which fails on any error) runs the notebook on a GPU node too.
   A cell that fails on purpose to teach an error message wraps the code in
   `with course_lib.nbtools.expect_error(...)`, which prints the traceback and carries on.
@@ -35,6 +37,7 @@ import grading  # scripts/ is on sys.path (tests/conftest.py)
 import nbformat
 import papermill
 import pytest
+from output_checks import machine_folders, output_problems
 
 pytestmark = pytest.mark.slow
 
@@ -83,3 +86,6 @@ def test_notebook_runs(path: Path, tmp_path: Path):
                          if path.parent in p.parents or path.stem in p.relative_to(REPO_ROOT).parts)
     assert not left_behind, (
         f"{path.name} wrote files outside its out_dir/data_dir parameters: {left_behind[:10]}")
+    # What the book would show: no folder of this machine (tmp_path is this test's own parameter) and no stderr.
+    problems = output_problems(nbformat.read(executed_path, as_version=4), machine_folders())
+    assert not problems, f"{path.name}:\n  " + "\n  ".join(problems)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from course_lib.checkpoint.atomic import LATEST, load_checkpoint
+
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -70,3 +72,22 @@ def test_accelerate_one_and_two_processes_equal_our_trainer(tmp_path, single):
                *COMMON, "--batch_size", "4", "--out_dir", "two"], tmp_path)
     assert "Accelerate: 2 process(es)" in out
     torch.testing.assert_close(losses(tmp_path / "two"), single)
+
+
+def test_lab2_script_equals_the_ddp_trainer_and_proves_the_split(tmp_path):
+    """scripts/ddp_simulation_train.py (init_process_group, DistributedSampler, DDP written out) against
+    `torchrun -m course_lib.train --strategy ddp` with the same flags: same losses, same final weights."""
+    common = [*COMMON, "--batch_size", "4"]
+    run([BIN / "torchrun", "--nproc_per_node=2", ROOT / "scripts" / "ddp_simulation_train.py", *common,
+         "--out_dir", "script", "--log_dir", "script_logs"], tmp_path)
+    run([BIN / "torchrun", "--nproc_per_node=2", "-m", "course_lib.train", "--strategy", "ddp", *common,
+         "--out_dir", "trainer", "--log_dir", "trainer_logs"], tmp_path)
+    torch.testing.assert_close(losses(tmp_path / "script"), losses(tmp_path / "trainer"))
+    script = torch.load(tmp_path / "script" / "model.pt", weights_only=True)["model"]
+    trainer = load_checkpoint(tmp_path / "trainer" / LATEST, restore_rng=False)["model"]
+    assert script.keys() == trainer.keys()
+    for name, tensor in script.items():
+        torch.testing.assert_close(tensor, trainer[name], msg=lambda m: f"{name}: {m}")
+    logs = [(tmp_path / "script_logs" / f"rank_{r}" / "train.log").read_text() for r in range(2)]
+    assert "step 1 rows of the global batch: mine [0, 2, 4, 6]; all ranks [[0, 2, 4, 6], [1, 3, 5, 7]]" in logs[0]
+    assert "mine [1, 3, 5, 7]" in logs[1] and "[rank 1/2]" in logs[1]

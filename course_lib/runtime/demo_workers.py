@@ -14,7 +14,6 @@ They live in a module (not in a notebook cell) because spawned ranks import them
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.checkpoint.atomic import atomic_write
 from course_lib.checkpoint.ranked import save_ranked_checkpoint
+from course_lib.core.metrics import MetricsLogger
 from course_lib.data_parallel.loading import ensure_shards, make_loader, rank_dataset
 from course_lib.runtime.collectives import gather_to_rank0, mean_over_ranks, rank_tag
 from course_lib.runtime.env import get_dist_info
@@ -172,7 +172,8 @@ def train_logged(out_dir: str, data_dir: str = "data", steps: int = 100, micro_b
     """torch DDP on this rank's token shards, with logs aggregated on rank 0 and ranked checkpoints.
 
     Every log_every steps: the mean loss over ranks (all_reduce, known everywhere) and every rank's own
-    numbers (gather to rank 0), which rank 0 appends to <out_dir>/metrics.jsonl. Every ckpt_every steps and at
+    numbers (gather to rank 0), which rank 0 appends to <out_dir>/metrics.jsonl and writes as TensorBoard scalars
+    to <out_dir>/tb (the mean loss and one loss curve per rank). Every ckpt_every steps and at
     the end: a ranked checkpoint in <out_dir>/step_<N>/.
     """
     info = get_dist_info()
@@ -184,6 +185,7 @@ def train_logged(out_dir: str, data_dir: str = "data", steps: int = 100, micro_b
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     batches, local, rows, checkpoints = iter(loader), [], [], []
+    metrics = MetricsLogger(out, tensorboard=True) if info.rank == 0 else None  # one writer: rank 0
     window = {"loss": [], "wait_s": [], "step_s": []}
     for step in range(1, steps + 1):
         start = time.perf_counter()
@@ -213,14 +215,16 @@ def train_logged(out_dir: str, data_dir: str = "data", steps: int = 100, micro_b
                      mine["loss"], mean_loss, mine["wait_ms"], mine["step_ms"])
             if info.rank == 0:
                 row = {"step": step, "mean_loss": mean_loss, "tokens_per_s": sum(r["tokens_per_s"] for r in per_rank),
-                       "slowest_step_ms": max(r["step_ms"] for r in per_rank), "per_rank": per_rank}
-                with open(out / "metrics.jsonl", "a") as f:  # one writer: lines never interleave
-                    f.write(json.dumps(row) + "\n")
+                       "slowest_step_ms": max(r["step_ms"] for r in per_rank),
+                       **{f"loss_rank_{r['rank']}": r["loss"] for r in per_rank}, "per_rank": per_rank}
+                metrics.log(row)  # a line of metrics.jsonl, and TensorBoard scalars in <out_dir>/tb: one per number
                 rows.append(row)
             window = {key: [] for key in window}
         if step % ckpt_every == 0 or step == steps:
             directory = out / f"step_{step:05d}"
             save_ranked_checkpoint(directory, model, step=step, extra={"batches_read": step, "rank": info.rank})
             checkpoints.append(str(directory))
+    if metrics is not None:
+        metrics.close()
     return {"rank": info.rank, "local": local, "rows": rows, "checkpoints": checkpoints,
             "threads": torch.get_num_threads(), "params": flat_parameters(model)}

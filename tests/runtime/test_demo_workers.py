@@ -10,11 +10,20 @@ import torch
 from course_lib.checkpoint.ranked import load_full_parameters
 from course_lib.checkpoint.workers import load_ranked_here, refuse_then_reshard
 from course_lib.core.model import GPT, GPTConfig
-from course_lib.data_parallel.experiment_workers import data_per_rank, mapped_files, scaling_sweep
-from course_lib.data_parallel.loading import TokenWindowDataset, rank_shards, write_token_shards
+from course_lib.data_parallel.experiment_workers import (
+    data_per_rank,
+    mapped_files,
+    scaling_sweep,
+)
+from course_lib.data_parallel.loading import (
+    TokenWindowDataset,
+    rank_shards,
+    write_token_shards,
+)
+from course_lib.observability.experiment_log import read_tensorboard_scalars
 from course_lib.runtime.collectives import gather_to_rank0, mean_over_ranks, rank_tag
-from course_lib.runtime.launch import RankFailure, launch
 from course_lib.runtime.demo_workers import barrier_race, train_logged
+from course_lib.runtime.launch import RankFailure, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -66,6 +75,10 @@ def test_train_logged_aggregates_and_checkpoints(trained):
         assert row["slowest_step_ms"] == max(r["step_ms"] for r in per_rank)
     on_disk = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     assert on_disk == rows
+    scalars = read_tensorboard_scalars(root / "run" / "tb")  # the same numbers, one TensorBoard curve each
+    assert {"train/mean_loss", "train/loss_rank_0", "train/loss_rank_1"} <= set(scalars)
+    assert [step for step, _ in scalars["train/loss_rank_1"]] == [3, 6]
+    assert scalars["train/loss_rank_1"][0][1] == pytest.approx(rows[0]["loss_rank_1"], rel=1e-6)
     # The ranks read different shards, so their losses differ; the logged loss is their window mean.
     assert ranks[0]["local"][0]["loss"] != ranks[1]["local"][0]["loss"]
     assert rows[0]["per_rank"][1]["loss"] == pytest.approx(sum(r["loss"] for r in ranks[1]["local"][:3]) / 3)

@@ -179,32 +179,38 @@ def plot_memory_breakdown(breakdowns, *, device_bytes: float = H100_80GB, title:
             bottom += value
         fits = b.fits(device_bytes)
         ax.annotate(f"{bottom:.1f} GB\n{'fits' if fits else 'does not fit'}", (x, bottom), ha="center", va="bottom",
-                    fontsize=8, xytext=(0, 2), textcoords="offset points", color="black" if fits else "#C44E52")
+                    fontsize=9, xytext=(0, 2), textcoords="offset points", color="black" if fits else "#C44E52")
     ax.axhline(device_bytes / 1e9, color="#C44E52", linestyle="--", linewidth=1)
     ax.annotate(f"H100 {device_bytes / 1e9:.0f} GB", (len(breakdowns) - 0.5, device_bytes / 1e9), ha="right",
-                va="bottom", fontsize=8, color="#C44E52", xytext=(0, 2), textcoords="offset points")
-    ax.set_xticks(range(len(breakdowns)), list(breakdowns), fontsize=8)
+                va="bottom", fontsize=9, color="#C44E52", xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(breakdowns)), list(breakdowns), fontsize=9)
     ax.set_xlim(-0.6, len(breakdowns) - 0.4)
     ax.set_ylim(0, 1.25 * max(device_bytes, *(b.total for b in breakdowns.values())) / 1e9)
     ax.set_ylabel("GB per GPU")
     first = next(iter(breakdowns.values()))
     ax.set_title(title or f"{first.model} ({first.n_params / 1e9:.2f}B parameters), {first.precision}, "
                  f"{first.optimizer}, micro-batch {first.micro_batch} x {first.seq_len} tokens", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=9, loc="upper right")
     return fig
 
 
 def memory_calculator_figure(model: str = "llama-7b-like", world_size: int = 8, seq_len: int = 4096) -> Figure:
-    """The book's static figure: ZeRO stages 0-3 on world_size GPUs, without and with activation checkpointing."""
-    bars = {}
-    for checkpointing in (False, True):
-        for stage in ZERO_STAGES:
-            label = f"ZeRO-{stage}\n{'checkpointing' if checkpointing else 'no checkpointing'}"
-            bars[label] = memory_per_gpu(model, world_size=world_size, zero_stage=stage, precision="mixed",
-                                         seq_len=seq_len, activation_checkpointing=checkpointing)
-    first = next(iter(bars.values()))
-    return plot_memory_breakdown(bars, title=f"{model} ({first.n_params / 1e9:.2f}B parameters) on {world_size} "
-                                 f"GPUs: mixed-precision AdamW, micro-batch 1 x {seq_len} tokens")
+    """The book's static figure: ZeRO stages 0-3 on world_size GPUs, without (top) and with (bottom) activation
+    checkpointing, drawn at a size whose labels stay readable at the width of a book page."""
+    fig, axes = plt.subplots(2, 1, figsize=(8.0, 7.4), layout="constrained", sharey=True)
+    n_params, highest = None, H100_80GB
+    for ax, checkpointing in zip(axes, (False, True)):
+        bars = {f"ZeRO-{stage}": memory_per_gpu(model, world_size=world_size, zero_stage=stage, precision="mixed",
+                                                seq_len=seq_len, activation_checkpointing=checkpointing)
+                for stage in ZERO_STAGES}
+        n_params = next(iter(bars.values())).n_params
+        highest = max(highest, *(b.total for b in bars.values()))
+        plot_memory_breakdown(bars, ax=ax, title="with activation checkpointing" if checkpointing else
+                              "without activation checkpointing")
+    axes[0].set_ylim(0, 1.25 * highest / 1e9)  # shared by both panels: room for the tallest bar's label
+    fig.suptitle(f"{model} ({n_params / 1e9:.2f}B parameters) on {world_size} GPUs: mixed-precision AdamW, "
+                 f"micro-batch 1 x {seq_len} tokens", fontsize=11)
+    return fig
 
 
 class MemoryCalculator:

@@ -166,31 +166,45 @@ def slurm_lifecycle() -> Figure:
 
 
 def node_topology(n_nodes: int = 2, gpus_per_node: int = 8) -> Figure:
-    """Nodes of GPUs joined by NVLink/NVSwitch inside a node and by one network card per GPU between nodes."""
-    if not 1 <= n_nodes <= 3 or gpus_per_node not in (4, 8):
-        raise ValueError(f"draws 1-3 nodes of 4 or 8 GPUs, got n_nodes={n_nodes}, gpus_per_node={gpus_per_node}")
-    gpu_w, gpu_gap, node_gap = 0.72, 0.12, 0.6
+    """Nodes of GPUs joined by NVLink/NVSwitch inside a node and by one network card per GPU between nodes.
+
+    The nodes are drawn one above the other, facing the network switches between them, so that eight GPUs
+    per node stay readable at the width of a book page.
+    """
+    if not 1 <= n_nodes <= 2 or gpus_per_node not in (4, 8):
+        raise ValueError(f"draws 1 or 2 nodes of 4 or 8 GPUs, got n_nodes={n_nodes}, gpus_per_node={gpus_per_node}")
+    gpu_w, gpu_gap = 0.72, 0.12
     node_w = gpus_per_node * (gpu_w + gpu_gap) + 0.3
-    total_w = n_nodes * node_w + (n_nodes - 1) * node_gap
-    fig, ax = plt.subplots(figsize=(1.0 + 0.95 * total_w, 4.6), layout="constrained")
+    switch_h = 0.45
+    top, bottom = 3.75, -3.75 if n_nodes == 2 else -switch_h / 2
+    fig, ax = plt.subplots(figsize=(1.0 + 0.95 * node_w, 0.9 + 0.95 * (top - bottom + 1.0)), layout="constrained")
+
+    def span(d, near, far):  # a (y, height) band at distances near..far from the switch, on side d (+1 up, -1 down)
+        return (near, far - near) if d > 0 else (-far, far - near)
+
     for node in range(n_nodes):
-        x0 = node * (node_w + node_gap)
-        _box(ax, x0, 1.0, node_w, 3.0, color="#F2F2F2")
-        ax.text(x0 + 0.1, 3.8, f"node {node}", fontsize=9, weight="bold", va="center")
-        _box(ax, x0 + 0.15, 3.05, node_w - 0.3, 0.4, "NVSwitch: every GPU to every GPU over NVLink", GREEN, 8)
+        d = 1 if node == 0 else -1
+        y, h = span(d, 0.7, 3.75)
+        _box(ax, 0, y, node_w, h, color="#F2F2F2")
+        ax.text(0.1, d * 3.55, f"node {node}", fontsize=10, weight="bold", va="center")
+        y, h = span(d, 2.75, 3.2)
+        _box(ax, 0.15, y, node_w - 0.3, h, "NVSwitch: every GPU to every GPU over NVLink", GREEN, 9)
         for g in range(gpus_per_node):
-            x = x0 + 0.15 + g * (gpu_w + gpu_gap) + gpu_gap / 2
-            _box(ax, x, 2.1, gpu_w, 0.65, f"GPU {g}\nrank\n{node * gpus_per_node + g}", BLUE, 7)
-            _box(ax, x + 0.06, 1.2, gpu_w - 0.12, 0.4, "NIC", PURPLE, 7)
+            x = 0.15 + g * (gpu_w + gpu_gap) + gpu_gap / 2
+            y, h = span(d, 1.8, 2.45)
+            _box(ax, x, y, gpu_w, h, f"GPU {g}\nrank {node * gpus_per_node + g}", BLUE, 8)
+            y, h = span(d, 0.9, 1.3)
+            _box(ax, x + 0.06, y, gpu_w - 0.12, h, "NIC", PURPLE, 8)
             center = x + gpu_w / 2
-            ax.plot([center, center], [2.75, 3.05], color=GREEN, linewidth=2.5)   # NVLink
-            ax.plot([center, center], [1.6, 2.1], color=GREY, linewidth=1.5)      # PCIe
-            ax.plot([center, center], [0.55, 1.2], color=PURPLE, linewidth=1.0)   # network cable
-    _box(ax, 0, 0.1, total_w, 0.45, "network switches (InfiniBand or RoCE): the only path between nodes",
-         PURPLE, 8)
-    ax.text(total_w / 2, 4.15, "green: NVLink (inside a node, fastest)   grey: PCIe (GPU to NIC; GPUDirect RDMA lets "
-            "the NIC read GPU memory)   purple: network, one NIC per GPU (a 'rail')", ha="center", fontsize=8)
-    _canvas(ax, (-0.1, total_w + 0.1), (0, 4.4))
+            ax.plot([center, center], [d * 2.45, d * 2.75], color=GREEN, linewidth=2.5)        # NVLink
+            ax.plot([center, center], [d * 1.3, d * 1.8], color=GREY, linewidth=1.5)          # PCIe
+            ax.plot([center, center], [d * switch_h / 2, d * 0.9], color=PURPLE, linewidth=1.0)  # cable
+    _box(ax, 0, -switch_h / 2, node_w, switch_h, "network switches (InfiniBand or RoCE): the only path between "
+         "nodes", PURPLE, 9)
+    ax.text(node_w / 2, top + 0.15, "green: NVLink (inside a node, fastest)   grey: PCIe (GPU to NIC; GPUDirect RDMA\n"
+            "lets the NIC read GPU memory)   purple: network, one NIC per GPU (a 'rail')", ha="center", va="bottom",
+            fontsize=9)
+    _canvas(ax, (-0.1, node_w + 0.1), (bottom - 0.1, top + 0.9))
     ax.set_title("Where the bytes travel: NCCL builds its rings and trees on this topology", fontsize=11)
     return fig
 

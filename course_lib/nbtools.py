@@ -40,43 +40,36 @@ def repo_root(start: str | Path | None = None) -> Path:
     return here
 
 
-def _library_folders() -> list[Path]:
-    folders = {Path(p) for p in (*site.getsitepackages(), site.getusersitepackages(),
-                                 sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"]) if p}
-    return sorted(folders, key=lambda p: len(str(p)), reverse=True)  # the most specific folder first
-
-
-def shown(path: str | Path) -> str:
-    """`path` as a reader would type it: relative to the repository when inside it, `site-packages/torch/...`
-    (or `python/...` for the standard library) for installed code, `~/...` under the home folder, else as given.
-    """
-    raw = Path(path)
-    try:
-        resolved = raw.resolve()
-    except OSError:
-        return str(raw)
-    for folder in _library_folders():  # first: a virtual environment may live inside the repository
-        if folder in resolved.parents:
-            label = "site-packages" if "packages" in folder.name else "python"
-            return f"{label}/{resolved.relative_to(folder)}"
-    root = repo_root(Path(__file__).resolve().parents[1])
-    if resolved == root or root in resolved.parents:
-        return str(resolved.relative_to(root)) or "."
-    home = Path.home()
-    if home != Path("/") and home in resolved.parents:
-        return f"~/{resolved.relative_to(home)}"
-    return str(raw)
+def _machine_prefixes() -> list[tuple[str, str]]:
+    """(folder + "/", what a reader sees instead): installed code first (a virtual environment may live inside
+    the repository), the most specific folder first, then the repository and the home folder."""
+    libraries = {Path(p) for p in (*site.getsitepackages(), site.getusersitepackages(),
+                                   sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"]) if p}
+    prefixes = [(f"{folder}/", "site-packages/" if "packages" in folder.name else "python/")
+                for folder in sorted(libraries, key=lambda p: len(str(p)), reverse=True)]
+    prefixes.append((f"{repo_root(Path(__file__).resolve().parents[1])}/", ""))
+    if Path.home() != Path("/"):
+        prefixes.append((f"{Path.home()}/", "~/"))
+    return prefixes
 
 
 def relative_paths(text: str) -> str:
-    """`text` with every folder of this machine written as `shown` writes it (an error message, a traceback)."""
-    for folder in _library_folders():
-        label = "site-packages" if "packages" in folder.name else "python"
-        text = text.replace(f"{folder}/", f"{label}/")
-    root = repo_root(Path(__file__).resolve().parents[1])
-    text = text.replace(f"{root}/", "")
-    home = Path.home()
-    return text.replace(f"{home}/", "~/") if home != Path("/") else text
+    """`text` (an error message, a traceback, a command) with every folder of this machine written as a reader
+    would type it: relative to the repository, `site-packages/...`, `python/...` (standard library), `~/...`."""
+    for prefix, replacement in _machine_prefixes():
+        text = text.replace(prefix, replacement)
+    return text
+
+
+def shown(path: str | Path) -> str:
+    """`path` as a reader would type it (see relative_paths); "." for the repository itself."""
+    try:
+        resolved = Path(path).resolve()
+    except OSError:
+        return str(path)
+    if resolved == repo_root(Path(__file__).resolve().parents[1]):
+        return "."
+    return relative_paths(str(resolved))
 
 
 @contextmanager

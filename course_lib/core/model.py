@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.core.checks import positive_int
+from course_lib.core.fused import rms_norm, rotary, swiglu
 
 ATTENTION_IMPLS = ("sdpa", "explicit")
 
@@ -115,10 +116,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 even under autocast: the mean of squares is where low precision hurts.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        # Normalised in fp32 even under autocast (the mean of squares is where low precision hurts), cast
+        # back to x's dtype, times the weight: course_lib.core.fused.rms_norm_reference, op by op. rms_norm
+        # computes it as one autograd node with a hand-written backward (faster in eager mode, less memory).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -132,10 +133,10 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     """Rotate q and k by position-dependent angles: x * cos + rotate_half(x) * sin.
 
     q, k: (B, n_head, T, head_dim); cos, sin: (T, head_dim), broadcast over batch and heads.
+    `rotary` computes that formula as one autograd node whose backward rotates the gradient back
+    (course_lib.core.fused; rotary_reference there writes it out with the halves, op by op).
     """
-    q_rotated = q * cos + rotate_half(q) * sin
-    k_rotated = k * cos + rotate_half(k) * sin
-    return q_rotated, k_rotated
+    return rotary(q, k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -165,7 +166,8 @@ class MLP(nn.Module):
         self.down_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # swiglu(gate, up) = F.silu(gate) * up as one autograd node (course_lib.core.fused).
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def causal_attention(q, k, v, dropout_p: float = 0.0, training: bool = False):

@@ -13,10 +13,11 @@ the first pipeline stage: ceil(L / pp) layers with their matrices split over tp,
                  under 1F1B the first stage holds min(pp, micro-batches) micro-batches in flight.
                  Assumption: 34 s b h is derived for GPT-3's block, whose MLP is 4h wide with GeLU (its input
                  and output, 16 s b h) and which has dropout (2 s b h of masks). It is used unchanged for these
-                 SwiGLU shapes, whose MLP saves four s x b x F tensors instead (gate, silu(gate), up and their
-                 product: 8 s b F bytes in 16-bit; course_lib.memory.activations.layer_terms counts them) and
-                 which have no dropout. With F >= 8h/3, as here, that is more, so the activation figures are
-                 somewhat low: read them as a lower bound.
+                 SwiGLU shapes, whose MLP saves three s x b x F tensors instead (gate, up and their product:
+                 6 s b F bytes in 16-bit, with a fused SwiGLU that recomputes silu(gate) in backward;
+                 course_lib.memory.activations.layer_terms counts them) and which have no dropout. With
+                 F >= 8h/3, as here, that is at least GeLU's 16 s b h, so the activation figures are, if
+                 anything, low: read them as a lower bound.
   DP traffic     course_lib.memory.formulas.data_parallel_traffic: 2 (n-1)/n x 2 bytes x parameters per step
                  (ZeRO-3: 3 (n-1)/n x 2 bytes x parameters per micro-batch: it gathers them again each time)
   TP traffic     4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward; sequence parallel

@@ -25,8 +25,15 @@ from course_lib.core.metrics import MetricsLogger
 from course_lib.core.model import GPT
 from course_lib.core.optim import configure_optimizer, make_scheduler
 from course_lib.core.steps import evaluate
-from course_lib.train import (TrainConfig, build_model_config, build_parser, config_from_args, load_splits,
-                              seed_everything)
+from course_lib.runtime.env import check_one_gpu_per_rank, rank_device
+from course_lib.train import (
+    TrainConfig,
+    build_model_config,
+    build_parser,
+    config_from_args,
+    load_splits,
+    seed_everything,
+)
 
 PRECISION_TO_ACCELERATE = {"auto": "no", "fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -37,8 +44,14 @@ def train_with_accelerate(cfg: TrainConfig) -> dict:
     from accelerate import Accelerator
 
     # Without cpu=True on a machine with no GPU, Accelerate ignores the launcher's ranks and every process
-    # trains alone (another silent single-process trap); so say "cpu" whenever CUDA is absent.
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    # trains alone (another silent single-process trap); so say "cpu" whenever the ranks do not get a GPU each:
+    # the same rule as course_lib.train ("auto" takes the GPUs only when every local rank has one; 2 ranks on a
+    # 1-GPU node train on the CPU over gloo instead of failing in NCCL).
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_cpu = rank_device(local_rank, cfg.device, local_world_size).type == "cpu"
+    if not on_cpu:
+        check_one_gpu_per_rank("nccl", local_world_size)
     accelerator = Accelerator(
         cpu=on_cpu,
         mixed_precision=PRECISION_TO_ACCELERATE[cfg.precision],
@@ -100,7 +113,8 @@ def train_with_accelerate(cfg: TrainConfig) -> dict:
                               f"{record['tokens_per_s']:,.0f} tok/s ({world_size} processes)")
     if logger:
         logger.close()
-    accelerator.wait_for_everyone()
+    # No accelerator.wait_for_everyone(): it calls barrier(device_ids=[local rank]), which names cuda:1 on a
+    # 1-GPU node even when the ranks run on the CPU; main() ends every rank with a plain barrier instead.
     step_times = [r["step_time_s"] for r in history[3:] or history]
     return {"history": history, "evals": evals, "rank": rank, "world_size": world_size,
             "device": str(accelerator.device), "median_tokens_per_s": tokens_per_step / statistics.median(step_times)}

@@ -15,15 +15,15 @@ the measurement for several shapes, both attention implementations, fp32 and bf1
 without activation checkpointing. With b = micro-batch, s = sequence length, h = n_embd, a = n_head,
 F = ffn_hidden, e = bytes of an activation (4 fp32, 2 bf16), per block:
 
-    RMSNorm x2        2 x (input 4sbh + normalised 4sbh + 1/rms 4sb)     (fp32 by design, see RMSNorm)
+    RMSNorm x2        2 x (input 4sbh + 1/rms 4sb)   (fp32 residual stream; the fused node recomputes x/rms)
     linear inputs     fp32: 4sbh + 4sbh    bf16: 3 x 2sbh (q,k,v each cast it) + 2 x 2sbh (gate, up)
     q, k, v           3 e sbh              (after RoPE; RoPE itself saves only its cos/sin buffers)
     attention  sdpa   output e sbh + logsumexp 4abs          (o_proj's input is a view of the output)
            explicit   softmax e a s^2 b + causal mask s^2 (bool) + o_proj input e sbh
-    SwiGLU            4 e sbF              (gate, silu(gate), up, their product)
+    SwiGLU            3 e sbF              (gate and up for the fused node, their product for down_proj)
     bf16 only         2 (4h^2 + 3hF)       autocast's bf16 copies of the fp32 weights, saved by the matmuls
 
-fp32 + SDPA: 4 (10 sbh + 4 sbF + 2 sb + abs). bf16 + SDPA: 34 sbh + 8 sbF + 8 sb + 4abs + weight copies.
+fp32 + SDPA: 4 (8 sbh + 3 sbF + 2 sb + abs). bf16 + SDPA: 26 sbh + 6 sbF + 8 sb + 4abs + weight copies.
 With activation checkpointing a block saves only its input x (4sbh, the residual stream is fp32) and
 recomputes the rest during backward, one block at a time.
 
@@ -33,10 +33,10 @@ inputs 4 + QKV input 2 + Q, K 4 + V 2 + o_proj input 2 + attention dropout mask 
 input 8 + GeLU output 8 + MLP dropout mask 1; 5 a s^2 b = softmax output 2 + its dropout mask 1 + dropout
 output 2. Why our measured numbers differ: (1) no dropout here: -2 sbh of masks and -3 a s^2 b;
 (2) SDPA (flash-style) keeps no s x s matrix, only a logsumexp per row (4abs), so the quadratic term
-disappears; the explicit path keeps the softmax (e a s^2 b) and a bool mask (s^2); (3) RMSNorm computes
-in fp32 and saves input, normalised input and 1/rms (8sbh + 4sb per norm, not 2sbh); (4) autocast casts
+disappears; the explicit path keeps the softmax (e a s^2 b) and a bool mask (s^2); (3) RMSNorm reads the
+fp32 residual stream and saves it with 1/rms (4sbh + 4sb per norm, not 2sbh); (4) autocast casts
 the normalised input separately for each consuming linear (3 + 2 copies) and keeps bf16 copies of the
-weights; (5) SwiGLU with F ~ 8h/3 saves four sbF tensors instead of GeLU's two 4h tensors; (6) the
+weights; (5) SwiGLU with F ~ 8h/3 saves three sbF tensors instead of GeLU's two 4h tensors; (6) the
 residual stream stays fp32 under autocast. On a GPU, CUDA autocast runs softmax in fp32 and SDPA's flash
 kernel also saves a random-number seed/offset: the GPU numbers differ by such terms, so the tests pin
 the CPU.
@@ -104,7 +104,7 @@ def layer_terms(config: GPTConfig, batch: int, seq_len: int, *, dtype: str = "fp
         return {"block input x (fp32, kept for the recomputation)": 4 * sbh}
     fp32 = dtype == "fp32"
     terms = {
-        "attn_norm: input + normalised (fp32)": 2 * 4 * sbh,
+        "attn_norm: input (fp32 residual stream)": 4 * sbh,
         "attn_norm: 1/rms (fp32)": 4 * s * b,
         "q/k/v_proj input" + ("" if fp32 else " (3 bf16 casts)"): 4 * sbh if fp32 else 3 * 2 * sbh,
         "q, k, v after RoPE": 3 * e * sbh,
@@ -117,10 +117,10 @@ def layer_terms(config: GPTConfig, batch: int, seq_len: int, *, dtype: str = "fp
         terms["causal mask (bool, s^2)"] = s * s
         terms["o_proj input (heads merged, a copy)"] = e * sbh
     terms.update({
-        "mlp_norm: input + normalised (fp32)": 2 * 4 * sbh,
+        "mlp_norm: input (fp32 residual stream)": 4 * sbh,
         "mlp_norm: 1/rms (fp32)": 4 * s * b,
         "gate/up_proj input" + ("" if fp32 else " (2 bf16 casts)"): 4 * sbh if fp32 else 2 * 2 * sbh,
-        "SwiGLU: gate, silu(gate), up, product": 4 * e * s * b * F,
+        "SwiGLU: gate, up (fused node) and their product (down_proj input)": 3 * e * s * b * F,
     })
     if not fp32 and weight_copies:
         terms["bf16 copies of the block's weights (autocast)"] = 2 * (4 * h * h + 3 * h * F)
@@ -134,7 +134,7 @@ def head_terms(config: GPTConfig, batch: int, seq_len: int, *, dtype: str = "fp3
     b, s, h, V = batch, seq_len, config.n_embd, config.vocab_size
     fp32 = dtype == "fp32"
     head = {
-        "norm_f: input + normalised (fp32)": 2 * 4 * s * b * h,
+        "norm_f: input (fp32 residual stream)": 4 * s * b * h,
         "norm_f: 1/rms (fp32)": 4 * s * b,
         "lm_head input": (4 if fp32 else 2) * s * b * h,
         "log-softmax of the shifted logits (fp32)": 4 * b * (s - 1) * V,

@@ -81,11 +81,13 @@ class _OpRecorder(TorchDispatchMode):
 def record_ops(fn: Callable[[], object], *, kernels_only: bool = True) -> list[OpCall]:
     """Run fn() once and return the operations it dispatched, in order: each is one kernel (launch) on a GPU.
 
-    kernels_only=False keeps views and the bookkeeping operations of NOT_KERNELS too.
+    kernels_only=False keeps views, the bookkeeping operations of NOT_KERNELS and operations that return no
+    tensor (torch.promote_types, for one, passes through the dispatcher too) as well.
     """
     with _OpRecorder() as recorder:
         fn()
-    return [c for c in recorder.calls if not kernels_only or not (c.is_view or c.name in NOT_KERNELS)]
+    return [c for c in recorder.calls
+            if not kernels_only or not (c.is_view or c.name in NOT_KERNELS or not c.output_dtypes)]
 
 
 def op_summary(calls: list[OpCall]) -> dict:

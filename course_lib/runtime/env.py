@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,6 +43,14 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it), for a launcher's rendezvous:
+    `torchrun --master_port` or `accelerate launch --main_process_port`, so two runs never meet on 29500."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _env_int(name: str, default: int | None = None) -> int:

@@ -8,20 +8,14 @@ evaluation averaged over ranks.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
+from course_lib.runtime.env import free_port
 from course_lib.testing import seeded_gpt
 
 NODE_VARIABLES = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_join_job(join_fn, *, nproc_per_node: int) -> dict:
@@ -33,7 +27,7 @@ def check_join_job(join_fn, *, nproc_per_node: int) -> dict:
     local rank) gathered over that group.
     """
     launched_rank, launched_world = dist.get_rank(), dist.get_world_size()
-    port = [_free_port() if launched_rank == 0 else None]
+    port = [free_port() if launched_rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     dist.barrier()
     dist.destroy_process_group()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from course_lib.checkpoint.atomic import LATEST, load_checkpoint
+from course_lib.runtime.env import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +69,7 @@ def test_accelerate_one_and_two_processes_equal_our_trainer(tmp_path, single):
          "--out_dir", "one"], tmp_path)
     torch.testing.assert_close(losses(tmp_path / "one"), single)
     out = run([BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--main_process_port", str(free_port()),
                "--mixed_precision", "no", "--dynamo_backend", "no", ROOT / "scripts" / "accelerate_train.py",
                *COMMON, "--batch_size", "4", "--out_dir", "two"], tmp_path)
     assert "Accelerate: 2 process(es)" in out

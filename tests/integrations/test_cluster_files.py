@@ -40,6 +40,7 @@ from course_lib.core.optim import configure_optimizer, get_lr
 from course_lib.core.steps import evaluate
 from course_lib.integrations.deepspeed_train import resolve_configs
 from course_lib.runtime.cluster import slurm_to_torch_env
+from course_lib.runtime.env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config"
@@ -552,6 +553,7 @@ def test_accelerate_config_loads_and_is_coherent(name):
 @pytest.mark.distributed
 def test_accelerate_cpu_config_starts_two_processes(tmp_path):
     [(code, out)] = run_process_tree([[BIN / "accelerate", "launch", "--config_file", CONFIG / "accelerate_cpu.yaml",
+                                       "--main_process_port", str(free_port()),
                                        ROOT / "scripts" / "accelerate_train.py", *TINY_RUN.split(), "--no-progress",
                                        "--out_dir", "run"]], cwd=tmp_path)
     assert code == 0 and "Accelerate: 2 process(es) on cpu" in out, out

@@ -58,20 +58,20 @@ def test_parameters_are_excluded_and_each_storage_counted_once():
     assert measured.excluded_state_bytes >= sum(p.numel() * 4 for p in GPT(config).parameters()
                                                 if p.dim() == 2 and p.shape != (config.vocab_size, config.n_embd))
     assert sum(r["bytes"] for r in measured.records) == measured.total
-    # One record per new storage in block 0: norm input, 1/rms, normalised, norm output (saved by q_proj,
-    # k_proj and v_proj: counted once), q, k, v, attention output, logsumexp; the same four for mlp_norm;
-    # gate, silu(gate), up, product. Views (the o_proj input, transposes) add nothing.
+    # One record per new storage in block 0: norm input, 1/rms, norm output (saved by q_proj, k_proj and
+    # v_proj: counted once), q, k, v, attention output, logsumexp; the same three for mlp_norm; gate, up,
+    # product. Views (the o_proj input, transposes) add nothing.
     block0 = [r for r in measured.records if r["region"] == "block 0"]
-    assert len(block0) == 4 + 5 + 4 + 4
+    assert len(block0) == 3 + 5 + 3 + 3
 
 
 def test_formula_terms_scale_as_derived():
     config = GPTConfig.from_preset("small")
     b, s, h, F, a = 2, 32, config.n_embd, config.ffn_hidden, config.n_head
     fp32 = sum(layer_terms(config, b, s).values())
-    assert fp32 == 4 * (10 * s * b * h + 4 * s * b * F + 2 * s * b + a * s * b)
+    assert fp32 == 4 * (8 * s * b * h + 3 * s * b * F + 2 * s * b + a * s * b)
     bf16 = sum(layer_terms(config, b, s, dtype="bf16").values())
-    assert bf16 == 34 * s * b * h + 8 * s * b * F + 8 * s * b + 4 * a * s * b + 2 * (4 * h * h + 3 * h * F)
+    assert bf16 == 26 * s * b * h + 6 * s * b * F + 8 * s * b + 4 * a * s * b + 2 * (4 * h * h + 3 * h * F)
     explicit = GPTConfig.from_preset("small", attn_impl="explicit")
     quadratic = sum(layer_terms(explicit, b, 2 * s).values()) - sum(layer_terms(config, b, 2 * s).values())
     assert quadratic == 4 * a * (2 * s) ** 2 * b + (2 * s) ** 2 - 4 * a * 2 * s * b

@@ -25,6 +25,17 @@ def test_record_ops_counts_kernels_and_bytes():
     assert unfused["bytes_touched"] == 5 * 4000 and fused["bytes_touched"] == 2 * 4000
 
 
+def test_record_ops_leaves_out_operations_that_return_no_tensor():
+    x = torch.randn(10)
+
+    def fn():
+        return x.to(torch.promote_types(x.dtype, torch.float32)) * 2  # promote_types dispatches, runs no kernel
+
+    every = record_ops(fn, kernels_only=False)
+    assert "promote_types" in [c.name for c in every]
+    assert [c.name for c in record_ops(fn)] == ["mul"]
+
+
 def test_record_ops_sees_what_autocast_runs():
     layer = torch.nn.Linear(8, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from course_lib.runtime.env import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -37,12 +38,6 @@ def clean_environ(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCH_VARIABLES and not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))}
     return {**env, **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_process_trees(procs: list[subprocess.Popen], tag: str) -> None:

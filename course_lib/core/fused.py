@@ -58,12 +58,13 @@ class _RMSNorm(torch.autograd.Function):
         x, grad, weight = x.to(acc), grad.to(acc), weight.to(acc)
         # With n = x * rstd and u = grad * weight:  dweight = sum over vectors of grad * n,
         # dx = rstd * (u - n * mean(u * n)) = rstd * u - x * rstd^2 * mean(u * n).
-        grad_n = (grad * x).mul_(rstd)  # grad * n: the one temporary, reused in place below
-        grad_weight = grad_n.sum(dim=tuple(range(grad.dim() - 1))) if ctx.needs_input_grad[1] else None
-        mean_un = grad_n.mul_(weight).mean(-1, keepdim=True)  # now u * n
+        buffer = (grad * x).mul_(rstd)  # grad * n; the one full-size tensor, reused in place below
+        grad_weight = buffer.sum(dim=tuple(range(grad.dim() - 1))) if ctx.needs_input_grad[1] else None
+        mean_un = buffer.mul_(weight).mean(-1, keepdim=True)  # buffer is u * n now
         grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad * weight).mul_(rstd).addcmul_(x, rstd.square().mul_(mean_un), value=-1.0).to(ctx.x_dtype)
+        if ctx.needs_input_grad[0]:  # written over buffer, which is no longer needed
+            grad_x = buffer.copy_(grad).mul_(weight).mul_(rstd).addcmul_(x, rstd.square().mul_(mean_un), value=-1.0)
+            grad_x = grad_x.to(ctx.x_dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_x, grad_weight, None

@@ -94,11 +94,15 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10,
 
 def time_alternating(fns: Mapping[str, Callable[[], object]], *, warmup: int = 2, rounds: int = 10,
                      clock: Callable[[], float] = time.perf_counter,
-                     sync: Callable[[], None] | None = None) -> dict[str, Timing]:
+                     sync: Callable[[], None] | None = None, rotate: bool = False) -> dict[str, Timing]:
     """Time several variants taking turns: A B A B ... (`rounds` timed calls of each, after `warmup` rounds).
 
     Each variant sees the same stretches of machine load, so the ratio of two medians is a fair
     comparison even when the absolute times drift. Returns {name: Timing} in the order given.
+
+    rotate=True starts each round one variant later (A B C, B C A, C A B, ...), so that every variant
+    follows every other equally often. Use it when the variants disturb each other: a variant that
+    always runs right after one that flushes the caches or frees much memory pays for it every round.
     """
     if not isinstance(fns, Mapping) or not fns:
         raise ValueError("fns must be a non-empty mapping {name: callable}")
@@ -110,9 +114,11 @@ def time_alternating(fns: Mapping[str, Callable[[], object]], *, warmup: int = 2
         for fn in fns.values():
             fn()
     samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(_timed_call(fn, clock, sync))
+    names = list(fns)
+    for i in range(rounds):
+        start = i % len(names) if rotate else 0
+        for name in names[start:] + names[:start]:
+            samples[name].append(_timed_call(fns[name], clock, sync))
     return {name: Timing(tuple(values)) for name, values in samples.items()}
 
 

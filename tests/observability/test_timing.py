@@ -60,6 +60,21 @@ def test_time_alternating_takes_turns_after_warmup():
     assert result["A"].median / result["B"].median == 4.0
 
 
+def test_rotated_turns_give_every_variant_every_position():
+    clock = FakeClock()
+    order = []
+
+    def make(name):
+        def fn():
+            order.append(name)
+            clock.now += 1.0
+        return fn
+
+    result = time_alternating({n: make(n) for n in "ABC"}, warmup=1, rounds=3, clock=clock, rotate=True)
+    assert order == list("ABC") + list("ABC") + list("BCA") + list("CAB")  # warm-up, then rounds 0, 1, 2
+    assert [len(result[n].samples) for n in "ABC"] == [3, 3, 3]
+
+
 def test_alternation_shares_machine_noise():
     """A slowdown that hits one round hits both variants, so the per-round ratio stays put."""
     clock = FakeClock()

@@ -113,11 +113,17 @@ def train_with_accelerate(cfg: TrainConfig) -> dict:
                               f"{record['tokens_per_s']:,.0f} tok/s ({world_size} processes)")
     if logger:
         logger.close()
-    # No accelerator.wait_for_everyone(): it calls barrier(device_ids=[local rank]), which names cuda:1 on a
-    # 1-GPU node even when the ranks run on the CPU; main() ends every rank with a plain barrier instead.
+    # A plain barrier, not accelerator.wait_for_everyone(): that passes device_ids=[local rank] to the barrier,
+    # which names cuda:1 on a 1-GPU node even when the ranks run on the CPU.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     step_times = [r["step_time_s"] for r in history[3:] or history]
-    return {"history": history, "evals": evals, "rank": rank, "world_size": world_size,
-            "device": str(accelerator.device), "median_tokens_per_s": tokens_per_step / statistics.median(step_times)}
+    result = {"history": history, "evals": evals, "rank": rank, "world_size": world_size,
+              "device": str(accelerator.device), "median_tokens_per_s": tokens_per_step / statistics.median(step_times)}
+    # Drop Accelerate's references to the DDP-wrapped model now, so that it is not collected after main() has
+    # destroyed the process group (a reducer torn down at interpreter exit can abort the process).
+    accelerator.free_memory()
+    return result
 
 
 def main(argv=None) -> dict:

@@ -5,7 +5,8 @@
 - one process, torch.set_num_threads(number of cores) (course_lib.observability.timing.setup_threads);
 - medians of many samples after warm-up calls that are not timed;
 - variants compared in alternation, A B A B ..., in the same run, so that machine noise hits both (the vs
-  section, which interleaves six runs of different kinds, also rotates which one goes first each round);
+  section, which interleaves six runs of different kinds, changes the order each round so that every run
+  follows every other equally often: time_alternating(balanced=True));
 - tokens/s = tokens per optimizer step / median step time; model FLOPs per token = 6N + 12*L*H*Q*T
   (GPT.flops_per_token); achieved GFLOP/s = FLOPs per token * tokens/s / 1e9;
 - on a CPU there is no honest datasheet peak, so utilisation is the "fraction of matmul ceiling":
@@ -268,10 +269,11 @@ def run_versus(opts: Options) -> Table:
             step = reference_train_step(forward, batch_size, T, config.vocab_size)
             steps[name] = _with_op_by_op_formulas(step) if key == "op_by_op" else step
             runs.append((name, key, mode, model))
-    # Rotated turns: the 2048^3 matmul evicts the caches, so whichever run came right after it would always
-    # start cold; rotating the order gives every run each position equally often.
+    # Balanced turns: the 2048^3 matmul evicts the caches and each run leaves the allocator in its own state,
+    # so a run that always came right after the same one would pay for it every round; every run follows
+    # every other equally often instead (a Williams design: 6 orders, 3 times over).
     timings = time_alternating({**steps, "matmul": matmul_fn(MATMUL_CEILING_N)}, warmup=2 if opts.quick else 3,
-                               rounds=6 if opts.quick else 18, rotate=True)
+                               rounds=6 if opts.quick else 18, balanced=True)
     ceiling = matmul_gflops(MATMUL_CEILING_N, timings["matmul"].median)
     rows = []
     for name, key, mode, model in runs:

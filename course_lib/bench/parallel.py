@@ -6,9 +6,10 @@
 One launch per world size (course_lib.runtime.launch, gloo, 1 thread per rank) runs the worker of
 course_lib.bench.parallel_workers: data parallelism (torch DDP), tensor parallelism
 (course_lib.tensor_parallel.scratch) and pipeline parallelism (course_lib.pipeline_parallel.scratch, 1F1B and GPipe)
-each train their own copy of the same model on the same global batches, one step each per round, in a rotating
-order. Each rank counts the bytes it hands to all-reduce and send in every step; this module sets them next to the
-formulas and turns them into rows:
+each train their own copy of the same model on the same global batches, one step each per round, in an order
+that changes every round (each strategy runs right after every other equally often). Each rank counts the bytes
+it hands to all-reduce and send in every step; this module sets them next to the formulas and turns them into
+rows:
 
 - DP: the gradient, 4 N bytes (N parameters, fp32), all-reduced once per step;
 - TP: 4 b s h bytes x 4 per layer (course_lib.tensor_parallel.scratch.tp_allreduce_bytes_per_layer);
@@ -124,8 +125,8 @@ def _notes(rows: list[dict], workload: dict, cores: int) -> list[str]:
         "by input), each rank all the sequences through 1/n of every block's heads and MLP width; embedding, "
         f"norms and lm_head replicated. PP = course_lib.pipeline_parallel.scratch, one stage of n_layer/n blocks per rank, {m} "
         f"micro-batches of {g // m} sequences, 1F1B and GPipe schedules. Each strategy trains its own copy of the "
-        "same model in the same ranks, one step per round, the order rotating every round; all start from the "
-        "same loss (first_loss in the JSON).",
+        "same model in the same ranks, one step per round, each right after every other equally often; all start "
+        "from the same loss (first_loss in the JSON).",
         "payload = bytes per step this rank hands to all_reduce or send (numel x 4), counted while the step "
         "runs: DP by a DDP communication hook around torch's allreduce_hook (every bucket), TP by the CommStats "
         "of f and g, PP by PipelineRunner.bytes_sent + allreduce_tied_grad. PP's stages differ: the busiest "

@@ -20,8 +20,9 @@ AdamW on the same global batches:
   PipelineRunner.bytes_sent counts the activations and activation gradients sent, allreduce_tied_grad
   returns the bytes of the tied embedding's gradient that the first and last stage all-reduce.
 
-Each round, every strategy trains one step, in a rotating order, so that all of them see the same stretches of
-machine load. A step (zero_grad, forward, backward, gradient communication, optimizer step) is timed from a
+Each round, every strategy trains one step, in an order that changes every round so that each runs right after
+every other equally often (course_lib.observability.timing.williams_orders); all of them see the same stretches
+of machine load. A step (zero_grad, forward, backward, gradient communication, optimizer step) is timed from a
 barrier to the slowest rank's end.
 """
 
@@ -36,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
 from course_lib.data_parallel.torch_ddp import apply_ddp
+from course_lib.observability.timing import williams_orders
 from course_lib.pipeline_parallel.scratch import (
     GPTStage,
     PipelineRunner,
@@ -192,10 +194,11 @@ def parallel_bench(strategies=PARALLEL_STRATEGIES, preset: str = "small", config
             trainees[name] = PipelineParallel(config, seed, info.rank, info.world_size, PP_SCHEDULES[name],
                                               micro_batches, tied_group)
     names = list(trainees)
+    orders = williams_orders(len(names))
     results = {name: {"step_samples": [], "payload_bytes": [], "calls": [], "first_loss": None} for name in names}
     for round_index, batch in enumerate(global_batches(warmup + steps, global_batch, seq_len, seed)):
-        shift = round_index % len(names)  # rotate the order: no strategy always runs right after another
-        order = names[shift:] + names[:shift]
+        # Balanced turns (a Williams design): every strategy runs right after every other equally often.
+        order = [names[i] for i in orders[round_index % len(orders)]]
         elapsed, losses = [], {}
         for name in order:
             dist.barrier()  # every rank starts the step together: the time is the step's, not a straggler's

@@ -5,10 +5,10 @@
 
 One launch per world size (course_lib.runtime.launch, gloo, 1 thread per rank) runs the worker of
 course_lib.bench.sharding_workers: every strategy trains its own copy of the same model on the same global
-batches, one step each per round, in a rotating order. Per rank, right after the last optimizer step, the
-live tensors of parameters, gradients and optimizer states are counted (course_lib.sharding.memory) and compared
-with the formulas: course_lib.sharding.memory.expected_model_states (DDP, ZeRO) and
-course_lib.sharding.fsdp.expected_fsdp_model_states (FSDP2, which pads every parameter's dim 0).
+batches, one step each per round, each right after every other equally often. Per rank, right after the last
+optimizer step, the live tensors of parameters, gradients and optimizer states are counted
+(course_lib.sharding.memory) and compared with the formulas: course_lib.sharding.memory.expected_model_states (DDP,
+ZeRO) and course_lib.sharding.fsdp.expected_fsdp_model_states (FSDP2, which pads every parameter's dim 0).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def run_sharding(opts: Options, strategies=DATA_PARALLEL_STRATEGIES) -> Table:
         f"{workload['global_batch']} x {workload['seq_len']} tokens ({tokens:,}) per step at every world size. "
         "DDP = torch DDP; ZeRO-1/2/3 = course_lib.sharding.zero (from scratch); FSDP = torch FSDP2 (course_lib.sharding.fsdp."
         "apply_fsdp, every Block then the root). Each strategy trains its own copy of the same model in the "
-        "same ranks, one step per round, the order rotating every round.",
+        "same ranks, one step per round, each right after every other equally often.",
         "MB per rank (10^6 bytes), counted from live tensors right after the last optimizer step, each storage "
         "once (course_lib.sharding.memory.measure_model_states): params, grads, optim = AdamW's exp_avg and "
         "exp_avg_sq (torch's AdamW, used by DDP and FSDP, adds a 4-byte step tensor per parameter tensor), "

@@ -11,7 +11,9 @@ a step takes, all trained in the same ranks and taking turns step by step.
 Every strategy wraps its own copy of the same model (same seed) with the course's code: torch DDP and FSDP2
 (course_lib.sharding.fsdp.apply_fsdp) with torch AdamW over course_lib.core.optim's groups; ZeRO-1/2/3 with
 course_lib.sharding.apply_zero (its flat-shard AdamW). Each round, every strategy trains one step on this rank's
-rows of the same global batch, in a rotating order, so that all of them see the same stretches of machine load.
+rows of the same global batch, in an order that changes every round so that each strategy runs right after
+every other equally often (course_lib.observability.timing.williams_orders); all of them see the same stretches
+of machine load.
 
 Memory is counted by course_lib.sharding.memory.measure_model_states right after the last optimizer step and
 predicted by expected_model_states (DDP, ZeRO) or course_lib.sharding.fsdp.expected_fsdp_model_states (FSDP). In the
@@ -30,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
+from course_lib.observability.timing import williams_orders
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding import apply_zero
 from course_lib.sharding.fsdp import expected_fsdp_model_states, apply_fsdp
@@ -168,10 +171,11 @@ def sharding_bench(strategies=DATA_PARALLEL_STRATEGIES, preset: str = "small", g
                          f"got {seq_len}")
     trainees = [Trainee(name, config, seed, info.world_size, info.rank) for name in strategies]
     samples: dict[str, list[float]] = {t.name: [] for t in trainees}
+    orders = williams_orders(len(trainees))
     for round_index, batch in enumerate(global_batches(warmup + steps, global_batch, seq_len, seed)):
         rows = local_rows(batch, info.rank, info.world_size)
-        shift = round_index % len(trainees)  # rotate the order: no strategy always runs right after another
-        order = trainees[shift:] + trainees[:shift]
+        # Balanced turns (a Williams design): every strategy runs right after every other equally often.
+        order = [trainees[i] for i in orders[round_index % len(orders)]]
         probing = round_index == warmup - 1
         elapsed = []
         for trainee in order:

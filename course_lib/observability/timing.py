@@ -92,17 +92,39 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 10,
     return Timing(tuple(_timed_call(fn, clock, sync) for _ in range(repeats)))
 
 
+def williams_orders(n: int) -> list[list[int]]:
+    """Orders of range(n) in which each ordered pair (a, b), a != b, stands back to back equally often.
+
+    Williams' design: the first order is 0, 1, n-1, 2, n-2, ...; order i adds i to each entry mod n.
+    For even n the n orders hold each pair once; for odd n they are followed by their reverses (2n orders,
+    each pair twice).
+    """
+    positive_int("n", n)
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(j + i) % n for j in first] for i in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
+
+
 def time_alternating(fns: Mapping[str, Callable[[], object]], *, warmup: int = 2, rounds: int = 10,
                      clock: Callable[[], float] = time.perf_counter,
-                     sync: Callable[[], None] | None = None, rotate: bool = False) -> dict[str, Timing]:
+                     sync: Callable[[], None] | None = None, balanced: bool = False) -> dict[str, Timing]:
     """Time several variants taking turns: A B A B ... (`rounds` timed calls of each, after `warmup` rounds).
 
     Each variant sees the same stretches of machine load, so the ratio of two medians is a fair
     comparison even when the absolute times drift. Returns {name: Timing} in the order given.
 
-    rotate=True starts each round one variant later (A B C, B C A, C A B, ...), so that every variant
-    follows every other equally often. Use it when the variants disturb each other: a variant that
-    always runs right after one that flushes the caches or frees much memory pays for it every round.
+    balanced=True changes the order from round to round so that every variant runs right after every
+    other one equally often (the rows of a Williams design: for n variants, each block of n rounds, 2n when
+    n is odd, holds each ordered pair once or twice back to back). Use it when the variants disturb each
+    other: one that always ran right after a variant that flushes the caches or frees much memory would pay
+    for it every round. Merely rotating which variant starts (A B C, B C A, ...) does not do that: B would
+    still always follow A.
     """
     if not isinstance(fns, Mapping) or not fns:
         raise ValueError("fns must be a non-empty mapping {name: callable}")
@@ -115,10 +137,10 @@ def time_alternating(fns: Mapping[str, Callable[[], object]], *, warmup: int = 2
             fn()
     samples = {name: [] for name in fns}
     names = list(fns)
+    orders = williams_orders(len(names)) if balanced else [list(range(len(names)))]
     for i in range(rounds):
-        start = i % len(names) if rotate else 0
-        for name in names[start:] + names[:start]:
-            samples[name].append(_timed_call(fns[name], clock, sync))
+        for index in orders[i % len(orders)]:
+            samples[names[index]].append(_timed_call(fns[names[index]], clock, sync))
     return {name: Timing(tuple(values)) for name, values in samples.items()}
 
 

@@ -1,10 +1,12 @@
 """course_lib.observability.timing: warm-up, medians, alternation, threads (scripts/bench.py is tested in test_bench.py)."""
 
+from collections import Counter
+
 import pytest
 import torch
 
 from course_lib.observability.timing import (machine_info, machine_line, setup_threads, time_alternating, time_fn,
-                                             Timing)
+                                             Timing, williams_orders)
 
 
 class FakeClock:
@@ -60,7 +62,17 @@ def test_time_alternating_takes_turns_after_warmup():
     assert result["A"].median / result["B"].median == 4.0
 
 
-def test_rotated_turns_give_every_variant_every_position():
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_williams_orders_put_every_pair_back_to_back_equally_often(n):
+    orders = williams_orders(n)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    pairs = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    expected = 1 if n % 2 == 0 else 2
+    assert pairs == {(a, b): expected for a in range(n) for b in range(n) if a != b}
+
+
+def test_balanced_turns_let_every_variant_follow_every_other():
     clock = FakeClock()
     order = []
 
@@ -70,9 +82,14 @@ def test_rotated_turns_give_every_variant_every_position():
             clock.now += 1.0
         return fn
 
-    result = time_alternating({n: make(n) for n in "ABC"}, warmup=1, rounds=3, clock=clock, rotate=True)
-    assert order == list("ABC") + list("ABC") + list("BCA") + list("CAB")  # warm-up, then rounds 0, 1, 2
-    assert [len(result[n].samples) for n in "ABC"] == [3, 3, 3]
+    result = time_alternating({n: make(n) for n in "ABCD"}, warmup=1, rounds=4, clock=clock, balanced=True)
+    timed = order[4:]  # after the warm-up round A B C D
+    assert timed == list("ABDC") + list("BCAD") + list("CDBA") + list("DACB")
+    followers = {name: {b for a, b in zip(timed, timed[1:]) if a == name} for name in "ABCD"}
+    assert followers == {name: set("ABCD") - {name} for name in "ABCD"}
+    assert [len(result[n].samples) for n in "ABCD"] == [4, 4, 4, 4]
+    with pytest.raises(ValueError, match="n"):
+        williams_orders(0)
 
 
 def test_alternation_shares_machine_noise():

@@ -1,10 +1,11 @@
 """A plain GPT-2 written with torch's built-ins, the yardstick of the course GPT's speed (`make bench`, section vs).
 
-nn.LayerNorm, one fused q/k/v projection, F.scaled_dot_product_attention, nn.GELU (tanh), a 4x MLP, learned
-positions and a tied embedding: the GPT-2 block of nanoGPT's model.py, written here so that the benchmark needs
-nothing outside the repository. The course GPT differs by design (RMSNorm, rotary positions, SwiGLU, no biases);
-the bench compares achieved model FLOP/s (6N + 12LHQT per token, each model with its own N), which is fair
-across those differences: it asks how well each spends the machine on the matmuls its parameters imply.
+nn.LayerNorm, one fused q/k/v projection, F.scaled_dot_product_attention, nn.GELU, a 4x MLP, learned positions
+and a tied embedding: the GPT-2 block of nanoGPT's model.py, written here so that the benchmark needs nothing
+outside the repository. Like nanoGPT it uses nn.GELU's exact (erf) form, not the tanh approximation of the
+original GPT-2. The course GPT differs by design (RMSNorm, rotary positions, SwiGLU, no biases); the bench
+compares achieved model FLOP/s (6N + 12LHQT per token, each model with its own N), which is fair across those
+differences: it asks how well each spends the machine on the matmuls its parameters imply.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Block(nn.Module):
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate="tanh"),
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
                                  nn.Linear(4 * n_embd, n_embd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,9 @@ class ReferenceGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets[:, 1:].reshape(-1))
+            # nanoGPT's loss: every position's logits against the next token (the last one, which has none, -1)
+            next_tokens = F.pad(targets[:, 1:], (0, 1), value=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), next_tokens.view(-1), ignore_index=-1)
         return logits, loss
 
     def num_params(self) -> int:

@@ -231,6 +231,19 @@ class Block(nn.Module):
         return x
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting token t+1 at every position t. logits (B, T, V), targets (B, T).
+
+    Equal to F.cross_entropy(logits[:, :-1], targets[:, 1:]) over the B * (T - 1) predictions, but the
+    targets are shifted instead of the logits: targets[:, 1:] padded with -100 (ignored) at the last
+    position, which has no next token. The (B, T, V) logits, the largest activation of a model with a big
+    vocabulary, are then used as they are, not copied (and their gradient is not padded with zeros).
+    Targets already set to -100 are ignored too. The logits are cast to fp32 for the softmax.
+    """
+    next_tokens = F.pad(targets[:, 1:], (0, 1), value=-100)  # (B, T): position t's target is token t+1
+    return F.cross_entropy(logits.flatten(0, 1).float(), next_tokens.flatten(), ignore_index=-100)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -262,7 +275,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx: (B, T) token ids. targets: (B, T) labels aligned with idx (usually idx itself).
 
-        Position t predicts token t+1, so the loss compares logits[:, :-1] with targets[:, 1:].
+        Position t predicts token t+1, so the loss compares logits[:, :-1] with targets[:, 1:]
+        (next_token_loss, which shifts the targets rather than copying the logits).
         Returns (logits (B, T, vocab_size), loss or None).
         """
         if idx.dim() != 2 or idx.dtype != torch.long:
@@ -285,9 +299,7 @@ class GPT(nn.Module):
         if targets is not None:
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
-            shift_logits = logits[:, :-1, :].reshape(-1, logits.size(-1))  # (B * (T-1), vocab_size)
-            shift_targets = targets[:, 1:].reshape(-1)  # (B * (T-1),)
-            loss = F.cross_entropy(shift_logits.float(), shift_targets, ignore_index=-100)
+            loss = next_token_loss(logits, targets)
         return logits, loss
 
     @torch.no_grad()

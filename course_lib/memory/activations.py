@@ -137,9 +137,9 @@ def head_terms(config: GPTConfig, batch: int, seq_len: int, *, dtype: str = "fp3
         "norm_f: input (fp32 residual stream)": 4 * s * b * h,
         "norm_f: 1/rms (fp32)": 4 * s * b,
         "lm_head input": (4 if fp32 else 2) * s * b * h,
-        "log-softmax of the shifted logits (fp32)": 4 * b * (s - 1) * V,
-        # targets[:, 1:] is a copy for b > 1; for b == 1 it is a view of idx, already counted.
-        "shifted targets (int64)": 8 * b * (s - 1) if b > 1 else 0,
+        # next_token_loss: every position's log-probabilities (the last one's target is ignored, -100)
+        "log-softmax of the logits (fp32)": 4 * b * s * V,
+        "next-token targets (int64, targets[:, 1:] padded with -100)": 8 * b * s,
         "cross-entropy normaliser (fp32 scalar)": 4,
     }
     if not fp32 and weight_copies:

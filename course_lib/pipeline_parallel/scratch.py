@@ -21,11 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.core.checks import positive_int
-from course_lib.core.model import GPT
+from course_lib.core.model import GPT, next_token_loss
 from course_lib.memory.activations import count_saved_bytes
 from course_lib.pipeline_parallel.schedules import (
     SCHEDULES,
@@ -102,7 +101,7 @@ def full_model_name(name: str) -> str:
 
 def shifted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """GPT.forward's loss: position t predicts token t+1 (mean over the micro-batch's tokens)."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), targets[:, 1:].reshape(-1))
+    return next_token_loss(logits, targets)
 
 
 # ---------------------------------------------------------------------- the tied embedding (Megatron)

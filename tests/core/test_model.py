@@ -17,6 +17,7 @@ from course_lib.core.model import (
     RMSNorm,
     apply_rotary_pos_emb,
     causal_attention,
+    next_token_loss,
     rotate_half,
 )
 
@@ -104,6 +105,23 @@ def test_model_paths_agree_and_loss_shift():
     expected = F.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size), idx[:, 1:].reshape(-1))
     torch.testing.assert_close(loss, expected)
     assert abs(loss.item() - math.log(config.vocab_size)) < 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_next_token_loss_equals_the_loss_of_the_shifted_logits(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 7))
+    targets[0, 3] = targets[2, 1] = -100  # masked positions stay ignored
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 11).float(), targets[:, 1:].reshape(-1))
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    loss = next_token_loss(logits, targets)
+    (grad,) = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad, expected_grad)
+    assert loss.dtype == torch.float32
+    assert torch.all(grad[:, -1] == 0)  # the last position predicts nothing
+    assert targets[0, 3] == -100 and targets.shape == (3, 7)  # the caller's targets are not modified
 
 
 def test_tied_embeddings_and_init():

@@ -75,7 +75,9 @@ def test_formula_terms_scale_as_derived():
     explicit = GPTConfig.from_preset("small", attn_impl="explicit")
     quadratic = sum(layer_terms(explicit, b, 2 * s).values()) - sum(layer_terms(config, b, 2 * s).values())
     assert quadratic == 4 * a * (2 * s) ** 2 * b + (2 * s) ** 2 - 4 * a * 2 * s * b
-    assert head_terms(config, 1, s)["head"]["shifted targets (int64)"] == 0  # a view of idx when b == 1
+    head = head_terms(config, 1, s)["head"]
+    assert head["log-softmax of the logits (fp32)"] == 4 * s * config.vocab_size  # every position, not s - 1
+    assert head["next-token targets (int64, targets[:, 1:] padded with -100)"] == 8 * s  # a new tensor even at b == 1
 
 
 def test_korthikanti_next_to_ours():

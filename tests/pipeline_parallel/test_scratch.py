@@ -75,7 +75,7 @@ def test_one_stage_pipeline_accumulates_micro_batches_exactly():
     _, loss = model(tokens, targets=tokens)
     loss.backward()
     pipeline_loss = PipelineRunner(stage, "1f1b", 4).step(tokens)
-    torch.testing.assert_close(pipeline_loss, loss.item())
+    torch.testing.assert_close(pipeline_loss, loss.item(), rtol=1.3e-6, atol=1e-5)  # fp32 sums, another order
     grads = dict(stage.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(grads[name].grad, param.grad, msg=name)

@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,13 +193,16 @@ def category_shares(events, wall_us: float) -> dict[str, float]:
 
 @contextmanager
 def without_profiler_banner():
-    """Drop the 'profiler_start/stop' lines the C++ profiler writes to file descriptor 2; pass on the rest."""
+    """Drop the 'profiler_start/stop' lines the C++ profiler writes to file descriptor 2, and the warning of
+    torch 2.11 that events are kept for one profiling cycle only (these recordings are one cycle); pass on the rest."""
     sys.stderr.flush()
     saved_fd = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as captured:
         os.dup2(captured.fileno(), 2)
         try:
-            yield
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
+                yield
         finally:
             os.dup2(saved_fd, 2)
             os.close(saved_fd)

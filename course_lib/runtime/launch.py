@@ -226,18 +226,42 @@ def _stop_all(procs) -> None:
 
 START_METHODS = ("spawn", "fork")
 START_METHOD_VARIABLE = "COURSE_LAUNCH_START_METHOD"
-DEVICE_GUARD_VARIABLE = "COURSE_DEVICE_GUARD"
-"""Set to 1: every rank checks that the tensors it hands to collectives are on its device (device_guard)."""
 """Set to "fork" by a process that launches many short jobs from a parent that has already imported torch and
 runs no thread of its own, no thread pool and no CUDA (the grading sandbox's checks): each rank then starts in
 milliseconds instead of importing torch again; the ranks are forked before the rendezvous store's thread starts.
-Anything else should keep the default, "spawn"."""
+Anything else should keep the default, "spawn". Where a forked child could not run backward, the ranks are
+spawned anyway (_fork_keeps_autograd)."""
+DEVICE_GUARD_VARIABLE = "COURSE_DEVICE_GUARD"
+"""Set to 1: every rank checks that the tensors it hands to collectives are on its device (device_guard)."""
+
+
+def _fork_keeps_autograd() -> bool:
+    """Whether a child forked from this process now can still run a backward pass.
+
+    Once autograd has started threads of its own in a process (FSDP2's backward does so in torch 2.11's CUDA
+    build, even on a machine without a GPU), every child forked from it raises "Unable to handle autograd's
+    threading in combination with fork-based multiprocessing" at its first backward. A throwaway child tries the
+    backward of one number and exits with 0 if it ran.
+    """
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        code = 1
+        try:
+            x = torch.ones(1, requires_grad=True)
+            (2 * x).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def _start_method() -> str:
     method = os.environ.get(START_METHOD_VARIABLE, "spawn")
     if method not in START_METHODS:
         raise ValueError(f"{START_METHOD_VARIABLE}={method!r}: choose one of {', '.join(START_METHODS)}")
+    if method == "fork" and not _fork_keeps_autograd():
+        return "spawn"
     return method
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -22,8 +23,20 @@ from course_lib.observability.profiling import (
     run_step,
     step_breakdown,
     throughput_report,
+    without_profiler_banner,
 )
 from course_lib.runtime.launch import launch
+
+
+def test_the_one_cycle_warning_of_torch_2_11_is_dropped_and_other_warnings_pass():
+    one_cycle = ("Warning: Profiler clears events at the end of each cycle.Only events from the current cycle will be "
+                 "reported.To keep events across cycles, set acc_events=True.")  # torch 2.11's words, at every start
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with without_profiler_banner():
+            warnings.warn(one_cycle, UserWarning)
+            warnings.warn("something else", UserWarning)
+    assert [str(w.message) for w in shown] == ["something else"]
 
 
 def test_run_step_times_every_phase_and_trains(one_thread):

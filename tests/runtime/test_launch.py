@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from course_lib.runtime import demo_workers
+from course_lib.runtime import launch as launch_module
 from course_lib.runtime.launch import RankFailure, launch
 
 pytestmark = pytest.mark.distributed
@@ -134,6 +135,22 @@ def test_fork_start_method_gives_the_same_results(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "threads")
     with pytest.raises(ValueError, match="COURSE_LAUNCH_START_METHOD='threads'"):
         launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / "bad", timeout_s=30)
+
+
+def test_fork_falls_back_to_spawn_where_a_forked_child_could_not_run_backward(tmp_path, monkeypatch):
+    assert launch_module._fork_keeps_autograd()  # here a forked child runs backward
+    monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "fork")
+    assert launch_module._start_method() == "fork"
+
+    def backward_fails(*args, **kwargs):
+        raise RuntimeError("Unable to handle autograd's threading in combination with fork-based multiprocessing")
+
+    with monkeypatch.context() as patch:  # what a child forked after FSDP2's backward meets with torch 2.11
+        patch.setattr("torch.Tensor.backward", backward_fails)
+        assert not launch_module._fork_keeps_autograd()
+    monkeypatch.setattr(launch_module, "_fork_keeps_autograd", lambda: False)
+    assert launch_module._start_method() == "spawn"
+    assert [r["after"] for r in launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path, timeout_s=30)] == [3.0, 3.0]
 
 
 def test_launches_at_the_same_time_keep_their_own_logs(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 import course_lib.core.model as model_module
 from course_lib.bench.reference_gpt import ReferenceGPT
@@ -227,39 +228,64 @@ def reference_train_step(model, batch_size: int, seq_len: int, vocab_size: int) 
     return step
 
 
-def _with_op_by_op_formulas(step: Callable[[], None]) -> Callable[[], None]:
-    """step, run with course_lib.core.model's fused nodes swapped for the op-by-op references of fused.py."""
+def _with_formulas(step: Callable[[], None], **formulas: Callable) -> Callable[[], None]:
+    """step, run with some of course_lib.core.model's fused nodes (rms_norm, rotary, swiglu) swapped for others."""
     def run() -> None:
-        fused = model_module.rms_norm, model_module.rotary, model_module.swiglu
-        model_module.rms_norm, model_module.rotary, model_module.swiglu = (rms_norm_reference, rotary_reference,
-                                                                           swiglu_reference)
+        saved = {name: getattr(model_module, name) for name in formulas}
+        for name, formula in formulas.items():
+            setattr(model_module, name, formula)
         try:
             step()
         finally:
-            model_module.rms_norm, model_module.rotary, model_module.swiglu = fused
+            for name, formula in saved.items():
+                setattr(model_module, name, formula)
 
     return run
+
+
+def layer_norm_kernels(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm (torch's native forward and backward kernels) where the course GPT has RMSNorm.
+
+    Not the same function (it subtracts the mean): the vs section times it only to show what RMSNorm costs.
+    """
+    return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
+
+
+def no_rotation(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Queries and keys left as they are (no position information): timed only to show what the rotary
+    embedding costs."""
+    return q, k
+
+
+OP_BY_OP = dict(rms_norm=rms_norm_reference, rotary=rotary_reference, swiglu=swiglu_reference)
+"""The op-by-op references of course_lib.core.fused, in place of the fused nodes."""
+WITHOUT_ROPE_AND_RMSNORM = dict(rms_norm=layer_norm_kernels, rotary=no_rotation)
+"""The course GPT without its two element-wise costs that GPT-2 lacks: LayerNorm's kernels for RMSNorm, no
+rotary embedding (a cost breakdown, not a model to train)."""
 
 
 def run_versus(opts: Options) -> Table:
     """The course GPT against a plain GPT-2 of torch built-ins (course_lib.bench.reference_gpt) at equal dims.
 
     Both train in fp32 with torch's default AdamW, eager and (without --quick) under torch.compile, all
-    timed in alternation (A B A B ...) with the matmul ceiling; the figure of merit is achieved model GFLOP/s,
+    timed in alternation with the matmul ceiling; the figure of merit is achieved model GFLOP/s,
     6N + 12LHQT per token with each model's own N (their parameter counts differ: SwiGLU against a 4x GELU
-    MLP, no biases, no position table). Each ratio compares a row with the GPT-2 of the same mode. The eager
-    rows also run the course GPT with its RMSNorm, rotary embedding and SwiGLU op by op (the references of
-    course_lib.core.fused), which shows what the fused nodes buy.
+    MLP, no biases, no position table). Each ratio compares a row with the GPT-2 of the same mode. Two more
+    eager rows show where the course GPT's time goes: the same model with its RMSNorm, rotary embedding and
+    SwiGLU op by op (the references of course_lib.core.fused), which shows what the fused nodes buy, and
+    with LayerNorm's native kernels for RMSNorm and no rotary embedding, which shows what those two cost.
     """
     config = GPTConfig.from_preset("small")
     batch_size, T = 16, config.block_size
     labels = {"course": "course GPT (RMSNorm, RoPE, SwiGLU, SDPA)",
               "op_by_op": "course GPT, its three formulas op by op",
+              "ablated": "course GPT, LayerNorm kernels for RMSNorm and no RoPE (cost breakdown only)",
               "reference": "GPT-2 of torch built-ins (LayerNorm, GELU, SDPA)"}
+    formulas = {"op_by_op": OP_BY_OP, "ablated": WITHOUT_ROPE_AND_RMSNORM}
     modes = ["eager"] if opts.quick else ["eager", "compiled"]
     runs, steps = [], {}
     for mode in modes:
-        keys = ("course", "op_by_op", "reference") if mode == "eager" else ("course", "reference")
+        keys = ("course", "op_by_op", "ablated", "reference") if mode == "eager" else ("course", "reference")
         for key in keys:
             torch.manual_seed(0)  # each run trains its own copy of the same initial weights
             model = GPT(config) if key != "reference" else ReferenceGPT(config.vocab_size, T, config.n_layer,
@@ -267,13 +293,15 @@ def run_versus(opts: Options) -> Table:
             forward = torch.compile(model) if mode == "compiled" else model
             name = f"{labels[key]}, {mode}"
             step = reference_train_step(forward, batch_size, T, config.vocab_size)
-            steps[name] = _with_op_by_op_formulas(step) if key == "op_by_op" else step
+            steps[name] = _with_formulas(step, **formulas[key]) if key in formulas else step
             runs.append((name, key, mode, model))
     # Balanced turns: the 2048^3 matmul evicts the caches and each run leaves the allocator in its own state,
     # so a run that always came right after the same one would pay for it every round; every run follows
-    # every other equally often instead (a Williams design: 6 orders, 3 times over).
+    # every other equally often instead (a Williams design: 2n orders for an odd number n of runs, here
+    # 5 runs with --quick and 7 without, once and twice over).
+    n_runs = len(steps) + 1
     timings = time_alternating({**steps, "matmul": matmul_fn(MATMUL_CEILING_N)}, warmup=2 if opts.quick else 3,
-                               rounds=6 if opts.quick else 18, balanced=True)
+                               rounds=2 * n_runs if opts.quick else 4 * n_runs, balanced=True)
     ceiling = matmul_gflops(MATMUL_CEILING_N, timings["matmul"].median)
     rows = []
     for name, key, mode, model in runs:
@@ -292,7 +320,7 @@ def run_versus(opts: Options) -> Table:
             row["ratio"] = row["gflops"] / reference_gflops
         ratios[mode] = same_mode[0]["ratio"]
     summary = ", ".join(f"{mode} {ratio:.2f}x" for mode, ratio in ratios.items())
-    op_by_op = next(r["ratio"] for r in rows if r["model"] == labels["op_by_op"])
+    op_by_op, ablated = (next(r["ratio"] for r in rows if r["model"] == labels[key]) for key in ("op_by_op", "ablated"))
     return Table(
         title=f"Course GPT vs a GPT-2 of torch built-ins at equal dims (L{config.n_layer} C{config.n_embd} "
               f"H{config.n_head} T{T} B{batch_size} V{config.vocab_size}), fp32, AdamW",
@@ -306,4 +334,7 @@ def run_versus(opts: Options) -> Table:
                f"{MATMUL_CEILING_N}^3 matmul, {ceiling:.1f} GFLOP/s, timed in alternation). The course GPT runs "
                "RMSNorm, the rotary embedding and SwiGLU as single autograd nodes with hand-written backward "
                f"passes (course_lib/core/fused.py); with the same formulas op by op it reaches {op_by_op:.2f}x. "
-               "Under torch.compile inductor fuses both models' element-wise chains."])
+               f"With LayerNorm's native kernels in RMSNorm's place and no rotary embedding it reaches "
+               f"{ablated:.2f}x: in eager mode on a CPU those two are what the course GPT pays beyond GPT-2 "
+               "(torch has no CPU kernel for RMSNorm's backward; the rotation rewrites every query and key, "
+               "forward and backward). Under torch.compile inductor fuses both models' element-wise chains."])

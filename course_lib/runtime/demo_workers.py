@@ -79,10 +79,11 @@ def failing_worker(fail_rank: int, mode: str = "raise", steps: int = 5, step_sec
 
     mode 'raise': raises ValueError. 'kill': the rank SIGKILLs itself (like the OOM killer).
     'skip': the rank skips one all_reduce, so the others wait in a collective it never joins.
+    'stall': the rank never gets to its next all_reduce (a loop that waits for something that never comes).
     failed_at_file: if given, the failing rank writes the time of its failure there (for timing tests).
     """
-    if mode not in ("raise", "kill", "skip"):
-        raise ValueError(f"mode must be 'raise', 'kill' or 'skip', got {mode!r}")
+    if mode not in ("raise", "kill", "skip", "stall"):
+        raise ValueError(f"mode must be 'raise', 'kill', 'skip' or 'stall', got {mode!r}")
     info = get_dist_info()
     if not 0 <= fail_rank < info.world_size:
         raise ValueError(f"fail_rank {fail_rank} is not a rank of this job (world_size {info.world_size})")
@@ -99,6 +100,8 @@ def failing_worker(fail_rank: int, mode: str = "raise", steps: int = 5, step_sec
                 os.kill(os.getpid(), signal.SIGKILL)
             if mode == "skip":
                 continue
+            while mode == "stall":
+                time.sleep(0.05)
         value = torch.ones(1, device=info.device)
         dist.all_reduce(value)
         total += value.cpu()

@@ -12,16 +12,19 @@ What this adds over torch.multiprocessing.spawn:
 - the rendezvous store runs in the caller on a port the OS picks, so concurrent launches never collide;
 - when a rank raises or dies, every rank is stopped within a second or two and the error names the rank that
   failed first, with its traceback (spawn reports whichever rank it happens to look at);
-- every collective has a timeout (default 60 s): a rank that never arrives is named, with the stack it was at,
-  instead of a 30-minute silent hang;
+- every collective has a timeout (default 60 s): when it expires, the error says where every rank was (the
+  collective it waited in and the line that called it, or the line a still-running rank was at, read from its
+  Python stack, which faulthandler dumps on a signal) instead of a 30-minute silent hang;
 - each rank's output goes to logs/rank_<r>/train.log and is echoed here with a [rank r] prefix.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import linecache
 import os
 import pickle
+import re
 import signal
 import sys
 import threading
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.core.checks import positive_int
+from course_lib.nbtools import relative_paths
 from course_lib.runtime.device_guard import guard_collectives
 from course_lib.runtime.env import DEFAULT_TIMEOUT_S, get_dist_info, init_distributed, setup_rank_logging
 
@@ -45,9 +49,12 @@ STOP_GRACE_S = 1.0  # time the other ranks get to report their own errors before
 class RankFailure(RuntimeError):
     """A rank raised, died or hung; `rank` is the one that failed first (or did not arrive)."""
 
-    def __init__(self, message: str, rank: int, exitcode: int | None = None, remote_traceback: str = ""):
+    def __init__(self, message: str, rank: int, exitcode: int | None = None, remote_traceback: str = "",
+                 places: dict[int, str] | None = None, stacks: dict[int, str] | None = None):
         super().__init__(message)
         self.rank, self.exitcode, self.remote_traceback = rank, exitcode, remote_traceback
+        self.places = places or {}  # rank -> where it was when a collective timed out (one line)
+        self.stacks = stacks or {}  # rank -> its Python stack then (a traceback or a faulthandler dump)
         self.pids: list[int] = []  # the ranks' process ids (all stopped by the time this is raised)
 
 
@@ -120,7 +127,8 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
         phase = "result"
         payload = pickle.dumps(result)
     except BaseException as exc:  # report, then leave at once: peers may be stuck in a collective with us
-        report = ("error", phase, f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time())
+        frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+        report = ("error", phase, f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time(), frames)
         with lock:
             conn.send(report)
         log_file.write(report[3])
@@ -197,6 +205,50 @@ def _log_tail(log_dir, rank: int, lines: int = 15) -> str:
     if not path.exists():
         return ""
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+_LAUNCHER_FILE = os.path.abspath(__file__)
+_LIBRARY_FOLDERS = tuple({os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__))),  # site-packages
+                          os.path.dirname(os.path.abspath(os.__file__))})  # the standard library
+
+
+def _is_own_code(filename: str) -> bool:
+    """A frame of the code the ranks run (the worker and what it calls), not of torch, Python or this launcher."""
+    path = os.path.abspath(filename)
+    installed = path.startswith(_LIBRARY_FOLDERS) or any(f"{os.sep}{d}{os.sep}" in path
+                                                         for d in ("site-packages", "dist-packages"))
+    return path != _LAUNCHER_FILE and not installed and not filename.startswith("<")
+
+
+def where(frames) -> str:
+    """One line saying where a stack stands: "all_reduce, called at job.py:42 in evaluate: dist.all_reduce(x)".
+
+    frames: (filename, line number, function) from the outermost call to the innermost. The collective is the
+    innermost torch.distributed function on the stack; the place is the innermost frame of the ranks' own code.
+    """
+    frames = list(frames)
+    collective = next((name for filename, _, name in reversed(frames)
+                       if filename.endswith("distributed_c10d.py") and not name.startswith("_")), None)
+    own = [frame for frame in frames if _is_own_code(frame[0])]
+    if not own:
+        return f"in {collective}" if collective else "(no frame of the worker's code on its stack)"
+    filename, line, function = own[-1]
+    code = linecache.getline(filename, line).strip()
+    place = f"{relative_paths(filename)}:{line} in {function}" + (f": {code}" if code else "")
+    return f"in {collective}, called at {place}" if collective else f"at {place}"
+
+
+def _main_thread(dump: str) -> str:
+    """The block of a faulthandler dump (all threads) that shows the rank's main thread, the one running the worker."""
+    blocks = re.split(r"\n\s*(?=(?:Current thread|Thread) 0x)", dump.strip())
+    return next((block for block in blocks if "in _rank_main" in block), blocks[-1])
+
+
+def frames_of_dump(dump: str) -> list[tuple[str, int, str]]:
+    """The main thread's frames, outermost first, from a faulthandler dump (which lists the innermost first)."""
+    frames = [(m.group(1), int(m.group(2)), m.group(3))
+              for m in re.finditer(r'File "([^"]+)", line (\d+) in (\S+)', _main_thread(dump))]
+    return frames[::-1]
 
 
 def _stack_of(proc, log_dir, rank: int) -> str:
@@ -432,25 +484,35 @@ def _fail(procs, open_conns, drain, results, errors, deaths, log_dir, timeout_s)
     own = {r: e for r, e in errors.items() if not _is_collateral(e[1]) and not _is_timeout(e[1])}
     if own:
         rank = min(own, key=lambda r: own[r][3])  # earliest report
-        phase, message, remote_tb, _ = own[rank]
+        phase, message, remote_tb = own[rank][:3]
         _stop_all(procs)
         raise RankFailure(f"rank {rank} failed in {phase}: {message}\nall {len(procs)} ranks were stopped.\n"
                           f"--- traceback of rank {rank} ---\n{remote_tb}", rank, 1, remote_tb)
     if errors and all(_is_timeout(e[1]) for e in errors.values()) or not errors and not deaths:
         waiting = sorted(errors)
         missing = [r for r in range(len(procs)) if r not in errors]
-        details = [f"rank {waiting[0]} reported: {errors[waiting[0]][1]}"] if waiting else []
-        for rank in missing:
-            if rank in results:
-                details.append(f"rank {rank} had already returned from the worker: it skipped a collective "
-                               "that the others called")
+        places, stacks = {}, {}
+        for rank in range(len(procs)):
+            if rank in errors:
+                places[rank] = f"waited {where(errors[rank][4])}"
+                stacks[rank] = errors[rank][2]
+            elif rank in results:
+                places[rank] = "had already returned from the worker: it skipped a collective that the others called"
             else:
-                details.append(f"rank {rank} was still running; its stack:\n{_stack_of(procs[rank], log_dir, rank)}")
+                dump = _stack_of(procs[rank], log_dir, rank)
+                places[rank] = f"was still running, {where(frames_of_dump(dump))}"
+                stacks[rank] = relative_paths(_main_thread(dump))
         _stop_all(procs)
-        who = ", ".join(map(str, missing)) or "unknown"
-        raise RankFailure(f"collective timed out after {timeout_s:g} s: rank(s) {who} did not arrive while "
-                          f"rank(s) {', '.join(map(str, waiting)) or 'none'} waited.\n" + "\n".join(details),
-                          missing[0] if missing else -1)
+        details = [f"rank {rank} {place}" for rank, place in places.items()]
+        if waiting:
+            details.append(f"rank {waiting[0]} reported: {errors[waiting[0]][1]}")
+        details += [f"--- stack of rank {rank}, still running ---\n{stacks[rank]}" for rank in missing if rank in stacks]
+        if missing:
+            head = f"rank(s) {', '.join(map(str, missing))} did not arrive while rank(s) {', '.join(map(str, waiting)) or 'none'} waited"
+        else:
+            head = f"rank(s) {', '.join(map(str, waiting))} waited"
+        raise RankFailure(f"collective timed out after {timeout_s:g} s: {head}.\n" + "\n".join(details),
+                          missing[0] if missing else waiting[0], places=places, stacks=stacks)
     rank = min(errors or deaths)
     message = errors[rank][1] if rank in errors else _signal_name(deaths[rank] or 0)
     remote_tb = errors[rank][2] if rank in errors else _log_tail(log_dir, rank)

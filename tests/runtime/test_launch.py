@@ -91,6 +91,53 @@ def test_skipped_collective_times_out_naming_the_missing_rank(tmp_path):
     assert _children_of_this_process() == []
 
 
+def _line_of(function, text: str) -> int:
+    """The line number of the first line of `function`'s source that contains `text`."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_a_hang_names_where_each_rank_waits_and_the_line(tmp_path):
+    collective_line = _line_of(demo_workers.failing_worker, "dist.all_reduce(value)")
+    with pytest.raises(RankFailure) as info:
+        launch(demo_workers.failing_worker, world_size=2, args=(1, "skip"), log_dir=tmp_path, echo=False, timeout_s=3)
+    failure = info.value
+    waiting = f"waited in all_reduce, called at course_lib/runtime/demo_workers.py:{collective_line} in failing_worker"
+    assert failure.places[0].startswith(waiting), failure.places
+    assert f"rank 0 {waiting}: dist.all_reduce(value)" in str(failure)
+    assert "returned from the worker" in failure.places[1]
+    assert "all_reduce" in failure.stacks[0]  # the waiting rank's own traceback
+
+
+def test_a_rank_that_never_reaches_the_collective_is_shown_at_its_line(tmp_path):
+    stall_line = _line_of(demo_workers.failing_worker, "time.sleep(0.05)")
+    with pytest.raises(RankFailure, match=r"rank\(s\) 1 did not arrive while rank\(s\) 0 waited") as info:
+        launch(demo_workers.failing_worker, world_size=2, args=(1, "stall"), log_dir=tmp_path, echo=False, timeout_s=3)
+    failure = info.value
+    assert failure.rank == 1
+    assert failure.places[1] == (f"was still running, at course_lib/runtime/demo_workers.py:{stall_line} in "
+                                 "failing_worker: time.sleep(0.05)")
+    assert failure.places[0].startswith("waited in all_reduce, called at course_lib/runtime/demo_workers.py:")
+    assert "in failing_worker" in failure.stacks[1] and "Thread 0x" not in failure.stacks[1].split("\n", 1)[1]
+    assert _children_of_this_process() == []
+
+
+def test_where_reads_frames_of_tracebacks_and_of_faulthandler_dumps():
+    from course_lib.runtime.launch import frames_of_dump, where
+
+    dump = (f'Thread 0x00007f01 (most recent call first):\n  File "{launch_module.__file__}", line 91 in watch\n\n'
+            'Current thread 0x00007f02 (most recent call first):\n'
+            '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 5349 in barrier\n'
+            f'  File "{demo_workers.__file__}", line 3 in job\n'
+            f'  File "{launch_module.__file__}", line 123 in _rank_main\n')
+    frames = frames_of_dump(dump)
+    assert [name for _, _, name in frames] == ["_rank_main", "job", "barrier"]
+    assert where(frames).startswith("in barrier, called at course_lib/runtime/demo_workers.py:3 in job")
+    assert where([(launch_module.__file__, 1, "_rank_main")]) == "(no frame of the worker's code on its stack)"
+
+
 def rank_1_skips_step_1(rank, step):
     return "skip" if (rank, step) == (1, 1) else None
 

@@ -103,6 +103,7 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
     os.environ.update({key: str(value) for key, value in dict(
         RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size, MASTER_ADDR=addr,
         MASTER_PORT=port, OMP_NUM_THREADS=options["threads"]).items()})
+    os.environ.update(options["env"])  # e.g. TORCH_DISTRIBUTED_DEBUG: read when the process group is created
     os.setpgrp()  # own process group: stopping this rank also stops anything it started
     _exit_with_parent(options["parent_pid"])
     log_path = Path(options["log_dir"]) / f"rank_{rank}" / "train.log"
@@ -111,6 +112,7 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
     os.dup2(log_file.fileno(), 1)  # C++ output (gloo, NCCL warnings) lands in the rank's log too
     os.dup2(log_file.fileno(), 2)
     faulthandler.register(signal.SIGUSR1, file=log_file, all_threads=True)  # the caller can ask "where are you?"
+    faulthandler.enable(file=log_file, all_threads=True)  # a rank that aborts (gloo, a segfault) leaves its stack
     lock = threading.Lock()
     sys.stdout = sys.stderr = _LineSender(conn, lock, log_file, options["echo"])
     phase = "init"
@@ -120,6 +122,8 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
                               timeout=timedelta(seconds=options["timeout_s"]))
         init_distributed(options["backend"], options["device"], options["timeout_s"], store=store)
         setup_rank_logging(options["log_dir"], stream=sys.stderr)
+        if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+            _skip_ddp_construction_log()
         phase = "worker"
         guard = os.environ.get(DEVICE_GUARD_VARIABLE) == "1"
         with guard_collectives(get_dist_info().device) if guard else nullcontext():
@@ -141,6 +145,14 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
         dist.destroy_process_group()
     log_file.flush()
     os._exit(0)
+
+
+def _skip_ddp_construction_log() -> None:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, torch 2.13's CPU build crashes (SIGSEGV) in the usage statistics that
+    DistributedDataParallel logs when it is constructed; DETAIL's checks of every collective are unaffected."""
+    logger = getattr(dist, "Logger", None)
+    if logger is not None:
+        logger.set_construction_data_and_log = lambda self, *args, **kwargs: None
 
 
 # ---------------------------------------------------------------------------------------------- caller side
@@ -208,6 +220,8 @@ def _log_tail(log_dir, rank: int, lines: int = 15) -> str:
 
 
 _LAUNCHER_FILE = os.path.abspath(__file__)
+NOT_THE_WORKERS_CODE: set[str] = set()
+"""Files whose frames `where` skips like torch's own: instrumentation around the worker's calls (counters)."""
 _LIBRARY_FOLDERS = tuple({os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__))),  # site-packages
                           os.path.dirname(os.path.abspath(os.__file__))})  # the standard library
 
@@ -217,7 +231,8 @@ def _is_own_code(filename: str) -> bool:
     path = os.path.abspath(filename)
     installed = path.startswith(_LIBRARY_FOLDERS) or any(f"{os.sep}{d}{os.sep}" in path
                                                          for d in ("site-packages", "dist-packages"))
-    return path != _LAUNCHER_FILE and not installed and not filename.startswith("<")
+    internal = filename.startswith(("<frozen", "<string>")) or path in NOT_THE_WORKERS_CODE
+    return path != _LAUNCHER_FILE and not installed and not internal
 
 
 def where(frames) -> str:
@@ -229,6 +244,9 @@ def where(frames) -> str:
     frames = list(frames)
     collective = next((name for filename, _, name in reversed(frames)
                        if filename.endswith("distributed_c10d.py") and not name.startswith("_")), None)
+    if collective is None:  # DistributedDataParallel's own communication (bucket rebuild, buffers) is C++
+        collective = next((f"DistributedDataParallel ({name})" for filename, _, name in reversed(frames)
+                           if filename.endswith(os.path.join("nn", "parallel", "distributed.py"))), None)
     own = [frame for frame in frames if _is_own_code(frame[0])]
     if not own:
         return f"in {collective}" if collective else "(no frame of the worker's code on its stack)"
@@ -319,11 +337,15 @@ def _start_method() -> str:
 
 def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None, *, backend: str | None = None,
            device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, log_dir: str | os.PathLike | None = None,
-           threads_per_rank: int | None = None, echo: bool = True, master_addr: str = "127.0.0.1") -> list:
+           threads_per_rank: int | None = None, echo: bool = True, master_addr: str = "127.0.0.1",
+           env: dict[str, str] | None = None) -> list:
     """Run `worker(*args, **kwargs)` on `world_size` ranks; return the list of their return values.
 
     backend: None picks gloo on CPU, "cpu:gloo,cuda:nccl" on CUDA (env.CUDA_BACKEND). device: 'cpu', 'cuda' or 'auto'.
     timeout_s: collective timeout and hang watchdog. threads_per_rank: default cores // world_size (>= 1).
+    env: environment variables every rank sets before it joins the process group, such as
+    {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} (torch then checks that all ranks call the same collective with the same
+    shapes, and reports the first mismatch instead of hanging).
     log_dir: where rank r writes <log_dir>/rank_<r>/train.log. None: a folder of this launch's own,
     logs/launches/<time>-<pid>-<n>/, so that launches running at the same time never mix their logs; when it
     ends, each rank's log is also copied to logs/rank_<r>/train.log (the latest launch's).
@@ -337,7 +359,8 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
     _check_spawnable(worker)
     kwargs = kwargs or {}
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    method = _start_method()
+    # torch reads TORCH_DISTRIBUTED_DEBUG once per process, so a forked rank would keep its parent's level
+    method = "spawn" if env and "TORCH_DISTRIBUTED_DEBUG" in env else _start_method()
     ctx = get_context(method)
 
     def host_store():  # the caller hosts the rendezvous store on a port the OS picks: no race for a "free" port
@@ -352,12 +375,12 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
         latest = Path(DEFAULT_LOG_DIR)
         log_dir = _launch_log_dir(latest)
     options = dict(backend=backend, device=device, timeout_s=timeout_s, log_dir=str(log_dir), threads=threads,
-                   echo=echo, parent_pid=os.getpid())
+                   echo=echo, parent_pid=os.getpid(), env={str(k): str(v) for k, v in (env or {}).items()})
     procs, conns = [], []
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
-            with _environment({"OMP_NUM_THREADS": threads}):
+            with _environment({"OMP_NUM_THREADS": threads, **options["env"]}):  # seen as the interpreter starts
                 proc = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=False,
                                    args=(rank, world_size, master_addr, store.port if store else None, worker, args,
                                          kwargs, child_conn, options))
@@ -488,7 +511,9 @@ def _fail(procs, open_conns, drain, results, errors, deaths, log_dir, timeout_s)
         _stop_all(procs)
         raise RankFailure(f"rank {rank} failed in {phase}: {message}\nall {len(procs)} ranks were stopped.\n"
                           f"--- traceback of rank {rank} ---\n{remote_tb}", rank, 1, remote_tb)
-    if errors and all(_is_timeout(e[1]) for e in errors.values()) or not errors and not deaths:
+    timed_out = any(_is_timeout(e[1]) for e in errors.values()) and all(
+        _is_timeout(e[1]) or _is_collateral(e[1]) for e in errors.values())  # a peer's timeout closes sockets
+    if timed_out or not errors and not deaths:
         waiting = sorted(errors)
         missing = [r for r in range(len(procs)) if r not in errors]
         places, stacks = {}, {}
@@ -504,8 +529,9 @@ def _fail(procs, open_conns, drain, results, errors, deaths, log_dir, timeout_s)
                 stacks[rank] = relative_paths(_main_thread(dump))
         _stop_all(procs)
         details = [f"rank {rank} {place}" for rank, place in places.items()]
-        if waiting:
-            details.append(f"rank {waiting[0]} reported: {errors[waiting[0]][1]}")
+        reporting = [rank for rank in waiting if _is_timeout(errors[rank][1])] or waiting
+        if reporting:
+            details.append(f"rank {reporting[0]} reported: {errors[reporting[0]][1]}")
         details += [f"--- stack of rank {rank}, still running ---\n{stacks[rank]}" for rank in missing if rank in stacks]
         if missing:
             head = f"rank(s) {', '.join(map(str, missing))} did not arrive while rank(s) {', '.join(map(str, waiting)) or 'none'} waited"

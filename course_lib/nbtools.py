@@ -13,16 +13,27 @@ to end, and the reader still sees the traceback.
 `shown(path)` prints a path the way a reader would type it (relative to the repository, `site-packages/...`
 for an installed library), so outputs and the book never show the folders of the machine that ran them.
 
-`predict()` and `reveal()` let a lab ask before it tells: the learner writes a prediction in a cell, the
-notebook prints it, runs the experiment, and shows the measurement next to it.
+`predict()` and `reveal()` let a lesson ask before it tells: the learner writes a prediction in a cell (tagged
+`prediction`), the notebook prints it, runs the experiment, and shows the measurement next to it.
 
     predict("4 layers: validation loss after the same steps?", answer, choices=("lower", "higher"))
     ...
     reveal("4 layers: validation loss after the same steps?", answer, "lower" if deeper < shallower else "higher")
+
+`reveal_number()` does the same for a number: the learner writes it into a variable that starts as None, the
+notebook measures, and the cell that reveals prints the measurement (always on a line `measured: <value>`), the
+prediction with its relative error, and why the two differ.
+
+    predicted_tokens = None   # tokens per optimizer step, all ranks together
+    ...
+    reveal_number("tokens per optimizer step", predicted_tokens, tokens_per_step, unit="tokens",
+                  explain="micro-batch x accumulation steps x world size x seq_len")
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import site
 import sysconfig
 import traceback
@@ -109,3 +120,45 @@ def reveal(question: str, answer, measured) -> None:
     verdict = "" if answer is None else f"; you predicted {answer!r}: " + ("right" if answer == measured else
                                                                             "not this time, read on for why")
     print(f"{question}\n  measured: {measured!r}{verdict}")
+
+
+def format_number(value) -> str:
+    """A measurement as reveal_number prints it: whole numbers with thousands separators, others to 3 significant
+    digits (and no exponent from 100 up)."""
+    value = float(value)
+    if not math.isfinite(value):
+        return str(value)
+    if value.is_integer() and abs(value) < 1e15:
+        return f"{int(value):,}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def reveal_number(question: str, predicted, measured, unit: str = "", explain: str = "") -> None:
+    """Print a measured number next to the learner's prediction of it (None: no prediction written).
+
+    Prints the question, a line `measured: <value> <unit>`, the prediction with how far it is from the
+    measurement (relative error and ratio), then `explain`: why the two may differ.
+    """
+    if predicted is not None and (isinstance(predicted, bool) or not isinstance(predicted, numbers.Real)):
+        raise ValueError(f"{question}: predict a number, got {predicted!r}")
+    suffix = unit if unit in ("", "x", "%") else f" {unit}"
+    lines = [question, f"  measured: {format_number(measured)}{suffix}"]
+    if predicted is None:
+        lines.append("  no prediction written: write a number in the prediction cell above, then run this cell again")
+    else:
+        predicted, measured = float(predicted), float(measured)
+        if predicted == measured:
+            closeness = "exactly the measured value"
+        elif measured == 0:
+            closeness = f"{format_number(abs(predicted))}{suffix} {'above' if predicted > 0 else 'below'} the measured 0"
+        else:
+            error = (predicted - measured) / abs(measured)
+            ratio = f"; prediction / measured = {predicted / measured:.3g}" if predicted != 0 else ""
+            closeness = (f"within 1% of the measured value{ratio}" if abs(error) < 0.01 else
+                         f"{abs(error):.0%} {'above' if error > 0 else 'below'} the measured value{ratio}")
+        lines.append(f"  your prediction: {format_number(predicted)}{suffix}, {closeness}")
+    if explain:
+        lines.append(f"  why: {explain}")
+    print("\n".join(lines))

@@ -8,7 +8,9 @@
 once, then re-used from <out>/_build/.jupyter_cache until their code changes); the graded exercise
 notebooks listed under `execute: exclude_patterns` are shown unexecuted. After Sphinx, every page is
 checked for <script src> / <link href> pointing off the machine, for the folders of the machine that built
-it and for stderr output boxes (scripts/output_checks.py), and the vendored MathJax must be there.
+it and for stderr output boxes, every notebook page's outputs for those folders and temporary paths, and, in
+an executed build, every lesson notebook (one without graded cells) for outputs: a lesson page whose code
+cells show none fails the build (scripts/output_checks.py). The vendored MathJax must be there.
 Exits non-zero if anything fails.
 """
 
@@ -24,7 +26,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import yaml
-from output_checks import html_problems, machine_folders
+from output_checks import html_problems, machine_folders, notebook_page_problems
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MATHJAX_IN_OUTPUT = Path("_static") / "mathjax" / "tex-chtml.js"
@@ -146,8 +148,10 @@ def build(source_dir: Path, out_dir: Path, execute: bool) -> int:
     for page, urls in remote_assets(html_dir).items():
         problems.append(f"{page} loads from the network: {', '.join(urls)}")
     problems += html_problems(html_dir, machine_folders(source_dir))
+    problems += notebook_page_problems(html_dir, source_dir, machine_folders(source_dir), executed=execute)
     if problems:
-        print("error: the book is not self-contained:\n  " + "\n  ".join(problems), file=sys.stderr)
+        print("error: the book is not self-contained or not as a reader should see it:\n  " + "\n  ".join(problems),
+              file=sys.stderr)
         return 1
     print(f"Book ready: {(html_dir / 'index.html').as_uri()}")
     return 0

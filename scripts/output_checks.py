@@ -1,12 +1,21 @@
 """What a reader must never see in a notebook's outputs or the built book: the folders of the machine that ran
-it, and stderr (warnings, progress bars, stray logging) that nobody chose to show.
+it (its repository, its home, its temporary folders), stderr (warnings, progress bars, stray logging) that nobody
+chose to show, and a lesson shown without the outputs its text talks about.
 
-    output_problems(executed_notebook, forbidden)   # tests/course/test_notebooks.py, after each run
-    html_problems(html_dir, forbidden)              # scripts/build_book.py, after every build
+    output_problems(executed_notebook, forbidden, allowed)   # tests/course/test_notebooks.py, after each run
+    html_problems(html_dir, forbidden)                       # scripts/build_book.py, after every build
+    notebook_page_problems(html_dir, source_dir, forbidden)  # scripts/build_book.py, after every build
 
 `forbidden` holds the absolute folders of this machine (the repository, the home folder, a run's temporary
-folder). Print paths with `course_lib.nbtools.shown(path)`; a cell that shows stderr on purpose carries the tag
-`show-stderr` (and myst-nb's `remove-stderr` drops it from the book).
+folder). Outputs are also searched for paths in the machine's temporary folder (`tempfile.gettempdir()`) and for
+the folders of course_lib.runtime.spawn's copies of notebook functions, wherever they are (temporary_paths);
+`allowed` exempts folders a test passes as a notebook's own out_dir. Print paths with
+`course_lib.nbtools.shown(path)`; a cell that shows stderr on purpose carries the tag `show-stderr` (and myst-nb's
+`remove-stderr` drops it from the book).
+
+A lesson notebook (one without nbgrader grade cells) is shown executed: in a build that executes the notebooks,
+its page must show the outputs of its code cells. Graded exercise notebooks are shown as the unexecuted student
+skeleton and are exempt.
 """
 
 from __future__ import annotations
@@ -14,10 +23,15 @@ from __future__ import annotations
 import html
 import json
 import re
+import tempfile
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
 
 SHOW_STDERR = "show-stderr"
 STDERR_IN_HTML = re.compile(r'<div class="output stderr', re.IGNORECASE)
+SPAWN_FOLDER_PREFIX = "course-notebook-functions-"  # course_lib.runtime.spawn: the modules ranks import
+_PATH_CHARS = r"[^\s'\"<>()\[\]{},;]"
 
 
 def machine_folders(*extra: str | Path) -> list[str]:
@@ -25,6 +39,16 @@ def machine_folders(*extra: str | Path) -> list[str]:
     root = Path(__file__).resolve().parents[1]
     folders = {str(root), str(Path.home()), *(str(Path(e)) for e in extra)}
     return sorted((f for f in folders if f not in ("/", "")), key=len, reverse=True)
+
+
+def temporary_paths(text: str, allowed: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Paths in `text` inside this machine's temporary folder, and any folder of course_lib.runtime.spawn's copies
+    of notebook functions (wherever the temporary folder is); paths under an `allowed` folder do not count."""
+    for folder in sorted((str(a) for a in allowed), key=len, reverse=True):
+        text = text.replace(folder, "<allowed>")
+    temp = re.escape(tempfile.gettempdir().rstrip("/"))
+    pattern = re.compile(rf"{temp}/{_PATH_CHARS}+|{_PATH_CHARS}*{SPAWN_FOLDER_PREFIX}{_PATH_CHARS}*")
+    return pattern.findall(text)
 
 
 def _output_text(output: dict) -> str:
@@ -35,8 +59,9 @@ def _output_text(output: dict) -> str:
     return json.dumps(output.get("data", {}))
 
 
-def output_problems(nb, forbidden: list[str]) -> list[str]:
-    """One line per output that shows a forbidden folder or unchosen stderr: 'cell N: ...'."""
+def output_problems(nb, forbidden: list[str], allowed: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """One line per output that shows a forbidden folder, a temporary path outside the `allowed` folders, or
+    unchosen stderr: 'cell N: ...'."""
     problems = []
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
@@ -56,6 +81,10 @@ def output_problems(nb, forbidden: list[str]) -> list[str]:
                                     f"...{text[max(0, at - 40):at + len(folder) + 40]!r}... "
                                     "(print it with course_lib.nbtools.shown)")
                     break
+            else:
+                temporary = temporary_paths(text, allowed)
+                if temporary:
+                    problems.append(f"cell {index}: shows a temporary path of the machine: {temporary[0]!r}")
     return problems
 
 
@@ -76,4 +105,82 @@ def html_problems(html_dir: Path, forbidden: list[str]) -> list[str]:
                 problems.append(f"{name}: shows the machine's folder {folder}: "
                                 f"...{text[max(0, at - 60):at + len(folder) + 40]!r}...")
                 break
+    return problems
+
+
+@dataclass
+class PageCell:
+    """A code cell as a built page shows it: how many output areas, and their text."""
+
+    outputs: int = 0
+    output_text: list[str] = field(default_factory=list)
+
+
+class _CellParser(HTMLParser):
+    """The code cells of a myst-nb page: <div class="cell ..."> holding <div class="cell_input ..."> and, when it
+    has outputs, <div class="cell_output ...">."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.cells: list[PageCell] = []
+        self._divs: list[set[str]] = []
+        self._in_output = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag != "div":
+            return
+        classes = set((dict(attrs).get("class") or "").split())
+        self._divs.append(classes)
+        if "cell" in classes:
+            self.cells.append(PageCell())
+        elif "cell_output" in classes and self.cells:
+            self.cells[-1].outputs += 1
+            self.cells[-1].output_text.append("")
+            self._in_output += 1
+
+    def handle_endtag(self, tag):
+        if tag == "div" and self._divs and "cell_output" in self._divs.pop() and self._in_output:
+            self._in_output -= 1
+
+    def handle_data(self, data):
+        if self._in_output and self.cells:
+            self.cells[-1].output_text[-1] += data
+
+
+def page_cells(page_html: str) -> list[PageCell]:
+    """The code cells of a built notebook page, in order."""
+    parser = _CellParser()
+    parser.feed(page_html)
+    return parser.cells
+
+
+def is_graded(notebook_path: Path) -> bool:
+    """True for a notebook with nbgrader grade cells (an exercise notebook, shown unexecuted)."""
+    cells = json.loads(Path(notebook_path).read_text(encoding="utf-8")).get("cells", [])
+    return any(cell.get("metadata", {}).get("nbgrader", {}).get("grade") for cell in cells)
+
+
+def notebook_page_problems(html_dir: Path, source_dir: Path, forbidden: list[str], executed: bool = True) -> list[str]:
+    """One line per built notebook page that a reader should not see so: a lesson notebook (no grade cells) whose
+    code cells show no output at all (only when `executed`: the build ran the notebooks), and any output showing
+    a forbidden folder or a temporary path. Pages are matched to their notebooks by path:
+    <html_dir>/notebooks/x/y.html is <source_dir>/notebooks/x/y.ipynb."""
+    html_dir, source_dir = Path(html_dir), Path(source_dir)
+    problems = []
+    for page in sorted(html_dir.rglob("*.html")):
+        if "_static" in page.parts or "_sources" in page.parts:
+            continue
+        name = page.relative_to(html_dir)
+        notebook = source_dir / name.with_suffix(".ipynb")
+        if not notebook.is_file():
+            continue
+        cells = page_cells(page.read_text(encoding="utf-8", errors="replace"))
+        if executed and cells and not is_graded(notebook) and not any(cell.outputs for cell in cells):
+            problems.append(f"{name}: a lesson notebook whose {len(cells)} code cells show no output (it was not "
+                            "executed; graded notebooks are the ones listed under execute: exclude_patterns)")
+        for index, cell in enumerate(cells):
+            text = "\n".join(cell.output_text)
+            shown = [folder for folder in forbidden if folder in text] or temporary_paths(text)
+            if shown:
+                problems.append(f"{name}: code cell {index} shows a folder of the machine: {shown[0]!r}")
     return problems

@@ -11,7 +11,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                 "read_shard_index", "rank_shards", "rank_dataset", "make_loader", "PipelineTiming",
                 "time_input_pipeline", "make_train_step", "compare_workers", "ensure_shards"),
     "sampler": ("shard_indices",),
-    "scratch": ("broadcast_parameters", "allreduce_gradients", "Bucket", "BucketedDataParallel"),
+    "scratch": ("broadcast_parameters", "allreduce_gradients", "assign_buckets", "Bucket", "BucketedDataParallel"),
     "torch_ddp": ("apply_ddp", "TokenWindows", "recording_allreduce_hook", "ddp_train", "no_sync_accumulation",
                   "train_and_accumulate"),
 })

@@ -2,8 +2,9 @@
 
     shard_indices(10, rank=1, world_size=4)  ->  [1, 5, 9, 3]   (padded so every rank gets 3)
 
-Every rank draws the same permutation (same seed + epoch), pads it by repeating its start until its length
-divides evenly (or drops the tail with drop_last), then takes every world_size-th index starting at its rank.
+Every rank draws the same permutation (same seed + epoch), pads it by repeating it from its start until its
+length divides evenly, as many times as needed when there are fewer samples than ranks (or drops the tail with
+drop_last), then takes every world_size-th index starting at its rank.
 Equal shard sizes matter: a rank with one batch fewer would skip an all_reduce and the others would hang.
 """
 

@@ -45,6 +45,34 @@ def allreduce_gradients(model: nn.Module, group=None) -> None:
             grad.div_(world_size)
 
 
+def assign_buckets(params, bucket_cap_bytes: int, first_bucket_cap_bytes: int | None = None) -> list[list[int]]:
+    """Which of `params` share a bucket: lists of indices into `params`, filled in the order given.
+
+    torch DDP's rule (compute_bucket_assignment_by_size in its C++ reducer): each parameter is appended to the
+    open bucket of its dtype and device, and that bucket closes as soon as it holds `bucket_cap_bytes` or more.
+    A bucket therefore passes the cap by its last parameter, and a parameter larger than the cap closes its
+    bucket at once (a cap of 0: one bucket per parameter). `first_bucket_cap_bytes` caps the first bucket of
+    each dtype and device instead (DDP's 1 MiB when `bucket_cap_mb` is left at its default). Buckets come in
+    the order they closed, then those left open.
+    """
+    if bucket_cap_bytes < 0 or (first_bucket_cap_bytes is not None and first_bucket_cap_bytes < 0):
+        raise ValueError(f"bucket caps cannot be negative, got {bucket_cap_bytes} and {first_bucket_cap_bytes}")
+    first_cap = bucket_cap_bytes if first_bucket_cap_bytes is None else first_bucket_cap_bytes
+    buckets: list[list[int]] = []
+    open_buckets: dict[tuple, tuple[list[int], list[int]]] = {}  # (dtype, device) -> (indices, [bytes])
+    closed_before: set[tuple] = set()  # kinds whose first bucket has closed: the ordinary cap applies
+    for index, param in enumerate(params):
+        kind = (param.dtype, param.device)
+        indices, size = open_buckets.setdefault(kind, ([], [0]))
+        indices.append(index)
+        size[0] += param.numel() * param.element_size()
+        if size[0] >= (bucket_cap_bytes if kind in closed_before else first_cap):
+            buckets.append(indices)
+            del open_buckets[kind]
+            closed_before.add(kind)
+    return buckets + [indices for indices, _ in open_buckets.values()]
+
+
 class Bucket:
     """Parameters whose gradients travel together in one flat buffer and one all_reduce."""
 
@@ -63,8 +91,9 @@ class Bucket:
 class BucketedDataParallel(nn.Module):
     """Wraps a model; gradients are averaged over ranks by async all_reduces launched during backward.
 
-    Buckets are filled in reverse parameter order (roughly the order backward produces gradients) and hold
-    up to `bucket_cap_mb` MiB each. Call `finish_gradient_sync()` after backward (before the optimizer step).
+    Buckets are filled in reverse parameter order (roughly the order backward produces gradients) by torch DDP's
+    rule (`assign_buckets`): a bucket closes once it holds `bucket_cap_mb` MiB or more. Call
+    `finish_gradient_sync()` after backward (before the optimizer step).
     `timeline` collects (kind, start, end) intervals of this rank for plotting: 'backward' and 'allreduce'.
     """
 
@@ -79,27 +108,14 @@ class BucketedDataParallel(nn.Module):
         self.timeline: list[tuple[str, float, float]] = []
         if broadcast:
             broadcast_parameters(module, group=group)
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
+        params = list(reversed([p for p in module.parameters() if p.requires_grad]))
+        self.buckets = [Bucket([params[i] for i in indices])
+                        for indices in assign_buckets(params, int(bucket_cap_mb * 2**20))]
         self._bucket_of = {}
         for bucket in self.buckets:
             for param in bucket.params:
                 self._bucket_of[param] = bucket
                 param.register_post_accumulate_grad_hook(self._grad_ready)
-
-    @staticmethod
-    def _make_buckets(params, cap_bytes: int) -> list[Bucket]:
-        buckets, current, size = [], [], 0
-        for param in params:
-            nbytes = param.numel() * param.element_size()
-            if current and (size + nbytes > cap_bytes or param.dtype != current[0].dtype):
-                buckets.append(Bucket(current))
-                current, size = [], 0
-            current.append(param)
-            size += nbytes
-        if current:
-            buckets.append(Bucket(current))
-        return buckets
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

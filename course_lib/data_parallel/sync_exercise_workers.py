@@ -15,6 +15,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from course_lib.data_parallel.scratch import assign_buckets
 from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 
 FROZEN = ("blocks.0.attn.q_proj.weight", "norm_f.weight")
@@ -50,19 +51,10 @@ class _RecordedWork:
 
 
 def expected_bucket_sizes(model, bucket_cap_mb: float) -> list[int]:
-    """Elements per bucket: trainable parameters in reverse order, a new bucket when the next would overflow."""
-    cap = bucket_cap_mb * 2**20
-    sizes, elements, nbytes = [], 0, 0
-    for param in reversed([p for p in model.parameters() if p.requires_grad]):
-        size = param.numel() * param.element_size()
-        if elements and nbytes + size > cap:
-            sizes.append(elements)
-            elements, nbytes = 0, 0
-        elements += param.numel()
-        nbytes += size
-    if elements:
-        sizes.append(elements)
-    return sizes
+    """Elements per bucket, in the order backward completes them: trainable parameters in reverse order, each
+    bucket closed once it holds bucket_cap_mb MiB or more (torch DDP's rule, scratch.assign_buckets)."""
+    params = list(reversed([p for p in model.parameters() if p.requires_grad]))
+    return [sum(params[i].numel() for i in bucket) for bucket in assign_buckets(params, int(bucket_cap_mb * 2**20))]
 
 
 def check_gradient_sync(sync_fn, *, style: str, bucket_cap_mb: float = 0.06, steps: int = 2,
@@ -170,8 +162,9 @@ def check_ring_all_reduce(ring_fn, *, shapes=RING_SHAPES, seed: int = 0) -> dict
         return send
 
     patches = [mock.patch.object(dist, name, refuse) for name in
-               ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
-                "broadcast", "reduce", "all_to_all")]
+               ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather",
+                "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce", "all_to_all")
+               if hasattr(dist, name)]  # the *_single names: torch 2.13
     patches += [mock.patch.object(dist, "isend", counting(real_isend)), mock.patch.object(dist, "send", counting(real_send))]
     results = {"rank": rank, "world_size": world_size, "cases": []}
     for shape in shapes:

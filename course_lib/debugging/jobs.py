@@ -63,7 +63,7 @@ JOBS: dict[str, Job] = {
     dist.all_gather(gathered, per_window)
     return torch.cat(gathered).mean().item()"""),), config={"val_windows": 11}),
     "job_04": Job(patches=((
-        """def make_loader(dataset, config: JobConfig, rank: int, world_size: int):
+        """def make_loader(dataset, config, rank, world_size):
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed,
                                  drop_last=True)
     loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)
@@ -86,7 +86,7 @@ JOBS: dict[str, Job] = {
         return len(self.windows)
 
 
-def make_loader(dataset, config: JobConfig, rank: int, world_size: int):
+def make_loader(dataset, config, rank, world_size):
     sampler = ShardSampler(len(dataset), rank, world_size, config.seed)
     loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler)
     return loader, sampler"""),), config={"train_windows": 53, "epochs": 1}),

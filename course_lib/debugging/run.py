@@ -26,6 +26,7 @@ import inspect
 import io
 import linecache
 import os
+import re
 import sys
 import tempfile
 import textwrap
@@ -92,7 +93,8 @@ def counting_collectives(counts: Counter):
         DistributedDataParallel.__init__ = init
 
 
-def _import_script(path: str, name: str):
+def import_script(path: str, name: str):
+    """The module of a script file, imported under `name` (registered in sys.modules)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look classes up by module name
@@ -104,7 +106,7 @@ def job_rank(script: str, config: dict, fixes: list[tuple[str, str]], first_conf
     """Worker: import the job's script, compile the fixes into it, run train(JobConfig(**config)) and return its
     result with this rank's collective counts. first_config: run the job once with it before (a first attempt
     that left a checkpoint behind)."""
-    module = _import_script(script, f"course_debugging_job_{os.getpid()}")
+    module = import_script(script, f"course_debugging_job_{os.getpid()}")
     for label, source in fixes:
         linecache.cache[label] = (len(source), None, source.splitlines(keepends=True), label)
         exec(compile(source, label, "exec"), module.__dict__)
@@ -126,12 +128,33 @@ def fix_sources(fixes) -> list[tuple[str, str]]:
         if not (inspect.isfunction(fix) or inspect.isclass(fix)):
             raise TypeError(f"fixes holds functions and classes written to replace the script's, got {fix!r}")
         try:
-            lines, first = inspect.getsourcelines(fix)
+            lines, first = inspect.getsourcelines(fix) if inspect.isfunction(fix) else _class_lines(fix)
         except (OSError, TypeError) as err:
             raise ValueError(f"cannot read the source of {fix.__name__} ({err}): define it in a notebook cell") from None
         source = "\n" * (max(first, 1) - 1) + textwrap.dedent("".join(lines))
         sources.append((f"<your {fix.__name__}>", source))
     return sources
+
+
+def _class_lines(cls) -> tuple[list[str], int]:
+    """A class's source lines and first line number, found through its methods' code (inspect.getsource cannot
+    find a class defined in a notebook cell: it looks for the class in its module's file)."""
+    methods = [value for value in vars(cls).values() if inspect.isfunction(value)]
+    if not methods:
+        raise OSError("a class without methods of its own")
+    code = methods[0].__code__
+    lines = linecache.getlines(code.co_filename)
+    header = re.compile(rf"^(\s*)class\s+{re.escape(cls.__name__)}\b")
+    start = next((i for i in range(code.co_firstlineno - 1, -1, -1) if header.match(lines[i])), None)
+    if start is None:
+        raise OSError(f"no `class {cls.__name__}` line above its methods in {code.co_filename}")
+    indent = len(header.match(lines[start]).group(1))
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    while start > 0 and lines[start - 1].lstrip().startswith("@"):  # decorators belong to the class
+        start -= 1
+    return lines[start:end], start + 1
 
 
 @dataclass
@@ -146,14 +169,19 @@ class JobRun:
     seconds: float = 0.0
     collectives: list[dict] = field(default_factory=list)  # per rank: {collective: calls}
     settings: dict = field(default_factory=dict)  # the JobConfig fields it ran with
+    fixes: list = field(default_factory=list)  # (label, source) of the functions that replaced the script's
 
     @property
     def ok(self) -> bool:
         return self.failure is None
 
     def script(self):
-        """The job's script imported in this process (no ranks): its functions and JobConfig, to try things out."""
-        return _import_script(str(self.folder / "train_job.py"), f"course_debugging_{self.job}_{self.folder.name}")
+        """The job's script imported in this process (no ranks), with the run's fixes compiled in: its functions
+        and JobConfig, to try things out."""
+        module = import_script(str(self.folder / "train_job.py"), f"course_debugging_{self.job}_{self.folder.name}")
+        for label, source in self.fixes:
+            exec(compile(source, label, "exec"), module.__dict__)
+        return module
 
     def config(self):
         """The JobConfig the job ran with."""
@@ -220,10 +248,10 @@ def run_job(job: str, world_size: int | None = None, *, out_dir="runs/debugging"
     script.write_text(script_of(job) if spec else inspect.getsource(train_job))
     settings = {**(spec.config if spec else {}), **(config or {}), "out_dir": str(folder / "out")}
     first = {**settings, "resume": False} if settings.get("resume") and first_run else None
-    run = JobRun(job, world_size, folder, settings=settings)
+    run = JobRun(job, world_size, folder, settings=settings, fixes=fix_sources(fixes))
     start = time.perf_counter()
     try:
-        run.results = launch(job_rank, world_size, args=(str(script), settings, fix_sources(fixes), first),
+        run.results = launch(job_rank, world_size, args=(str(script), settings, run.fixes, first),
                              log_dir=folder / "logs", echo=False, timeout_s=timeout_s, threads_per_rank=1,
                              env={"TORCH_DISTRIBUTED_DEBUG": debug} if debug else None)
         run.collectives = [r.pop("collectives") for r in run.results]
@@ -235,7 +263,8 @@ def run_job(job: str, world_size: int | None = None, *, out_dir="runs/debugging"
 
 def one_process(job: str = "base", world_size: int = 2, config: dict | None = None, out_dir=None) -> dict:
     """train_job.py (the job without its bug) in this process, on one rank, with the global batch of
-    `world_size` ranks (micro_batch x world_size rows per micro-batch): what `world_size` ranks must compute."""
+    `world_size` ranks (micro_batch x world_size rows per micro-batch): what `world_size` ranks must compute, and
+    the collectives they must run (result["collectives"])."""
     spec = JOBS.get(job)
     settings = {**(spec.config if spec else {}), **(config or {})}
     settings["micro_batch"] = settings.get("micro_batch", train_job.JobConfig.micro_batch) * world_size
@@ -244,4 +273,8 @@ def one_process(job: str = "base", world_size: int = 2, config: dict | None = No
         settings["out_dir"] = str(Path(out_dir or scratch) / "out")
         if settings.get("resume"):
             train_job.train(train_job.JobConfig(**{**settings, "resume": False}))
-        return train_job.train(train_job.JobConfig(**settings))
+        counts = Counter()
+        with counting_collectives(counts):  # a correct job runs as many of each collective on any number of ranks
+            result = train_job.train(train_job.JobConfig(**settings))
+        result["collectives"] = dict(counts)
+        return result

@@ -59,7 +59,7 @@ class JobModel(GPT):
     """The course GPT with an auxiliary head (a bigram prediction of the next token from the embedding alone),
     built and trained when aux_loss_weight > 0."""
 
-    def __init__(self, config: GPTConfig, aux_loss_weight: float):
+    def __init__(self, config, aux_loss_weight):
         super().__init__(config)
         self.aux_loss_weight = aux_loss_weight
         if aux_loss_weight > 0:
@@ -74,7 +74,7 @@ class JobModel(GPT):
         return logits, loss
 
 
-def setup() -> tuple[int, int, torch.device]:
+def setup():
     """Join the job torchrun (or the course's launcher) started, a job of one for a plain `python`: one GPU per
     rank (NCCL) where every local rank has one, else the CPU (gloo)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -91,32 +91,32 @@ def setup() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_data(config: JobConfig) -> tuple[TensorDataset, torch.Tensor]:
+def build_data(config):
     tokens = synthetic_tokens((config.train_windows + config.val_windows) * config.block_size, seed=1234)
     windows = tokens.view(-1, config.block_size)
     return TensorDataset(windows[:config.train_windows]), windows[config.train_windows:]
 
 
-def make_loader(dataset, config: JobConfig, rank: int, world_size: int):
+def make_loader(dataset, config, rank, world_size):
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed,
                                  drop_last=True)
     loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)
     return loader, sampler
 
 
-def build_model(config: JobConfig) -> JobModel:
+def build_model(config):
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     model_config = GPTConfig(vocab_size=256, block_size=config.block_size, n_layer=2, n_head=2, n_embd=32)
     return JobModel(model_config, config.aux_loss_weight)
 
 
-def mean_over_ranks(value, device) -> float:
+def mean_over_ranks(value, device):
     total = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
 
 
-def train_step(model, optimizer, scaler, micro_batches, config: JobConfig):
+def train_step(model, optimizer, scaler, micro_batches, config):
     """Forward and backward of every micro-batch, then one optimizer step: (this rank's mean loss, grad norm)."""
     total = torch.zeros((), device=micro_batches[0].device)
     for i, rows in enumerate(micro_batches):
@@ -135,7 +135,7 @@ def train_step(model, optimizer, scaler, micro_batches, config: JobConfig):
 
 
 @torch.no_grad()
-def evaluate(model, val_windows: torch.Tensor, rank: int, world_size: int) -> float:
+def evaluate(model, val_windows, rank, world_size):
     """Mean loss over the held-out windows; each rank evaluates every world_size-th window."""
     model.eval()
     mine = val_windows[rank::world_size]
@@ -146,7 +146,7 @@ def evaluate(model, val_windows: torch.Tensor, rank: int, world_size: int) -> fl
     return (totals[0] / totals[1]).item()
 
 
-def param_checksum(model) -> str:
+def param_checksum(model):
     """A CRC of the parameters' bytes: equal replicas give equal checksums."""
     crc = 0
     for param in model.parameters():
@@ -154,7 +154,7 @@ def param_checksum(model) -> str:
     return f"{crc:08x}"
 
 
-def save_checkpoint(path: Path, model, optimizer, step: int, rank: int) -> None:
+def save_checkpoint(path, model, optimizer, step, rank):
     """Rank 0 writes the checkpoint (every replica holds the same weights) atomically; the others wait."""
     if rank == 0:
         tmp = path.with_name(path.name + ".tmp")
@@ -163,7 +163,7 @@ def save_checkpoint(path: Path, model, optimizer, step: int, rank: int) -> None:
     dist.barrier()
 
 
-def load_checkpoint(path: Path, model, optimizer) -> int:
+def load_checkpoint(path, model, optimizer):
     state = torch.load(path, map_location=next(model.parameters()).device, weights_only=True)
     model.load_state_dict(state["model"])
     if optimizer is not None:
@@ -171,7 +171,7 @@ def load_checkpoint(path: Path, model, optimizer) -> int:
     return state["step"]
 
 
-def train(config: JobConfig) -> dict:
+def train(config):
     rank, world_size, device = setup()
     out_dir = Path(config.out_dir)
     if rank == 0:
@@ -220,7 +220,7 @@ def train(config: JobConfig) -> dict:
             "state": {name: p.detach().cpu().clone() for name, p in model.named_parameters()}}
 
 
-def parse_args(argv=None) -> JobConfig:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in fields(JobConfig):
         if f.type == "bool":
@@ -230,7 +230,7 @@ def parse_args(argv=None) -> JobConfig:
     return JobConfig(**vars(parser.parse_args(argv)))
 
 
-def main(argv=None) -> None:
+def main(argv=None):
     config = parse_args(argv)
     print(f"config: {asdict(config)}")
     train(config)

@@ -10,7 +10,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "cluster": ("DEFAULT_PORT_BASE", "node_rank_range", "expand_nodelist", "expand_tasks_per_node",
                 "slurm_to_torch_env"),
     "collectives": ("ring_all_reduce", "slowest", "rank_tag", "mean_over_ranks", "gather_to_rank0",
-                    "shard_numel"),
+                    "shard_numel", "all_gather_single", "reduce_scatter_single"),
     "env": ("DEFAULT_TIMEOUT_S", "LOG_FORMAT", "DistInfo", "default_backend", "rank_device", "get_dist_info",
             "init_distributed", "cleanup", "print0", "setup_rank_logging"),
     "launch": ("STOP_GRACE_S", "RankFailure"),

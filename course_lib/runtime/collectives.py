@@ -5,6 +5,8 @@
   done only when its slowest rank is done), known to every rank.
 - `gather_to_rank0`: every rank's object on rank 0, one message per rank.
 - `shard_numel`: each rank's share of a vector split into equal (padded) chunks.
+- `all_gather_single`, `reduce_scatter_single`: torch's one-tensor all-gather and reduce-scatter under their
+  current names, or under the older ones on a torch that lacks them.
 - `rank_tag`: '[node n | local l | rank r]' for log lines.
 
 Ring all-reduce: the tensor is cut into world_size chunks. In the reduce-scatter phase each rank, for world_size - 1
@@ -59,6 +61,27 @@ def shard_numel(numel: int, world_size: int) -> int:
     Reduce-scatter and all-gather need equal chunks, so a flat vector is padded to world_size times this.
     """
     return -(-numel // world_size)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """The ranks' `input`s, concatenated in rank order, into `output` (world size x input.numel() numbers).
+
+    torch 2.13 calls this collective `dist.all_gather_single`; its older name, `all_gather_into_tensor`, still
+    works there but prints a FutureWarning on every rank. Older releases, such as the GPU nodes' 2.11, have
+    only the older name. This calls the current name where it exists, the older one elsewhere.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    """Rank r's slice r of `input` (world size equal slices), reduced over the ranks with `op`, into `output`.
+
+    `dist.reduce_scatter_single` in torch 2.13, `reduce_scatter_tensor` in older releases (see all_gather_single).
+    """
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, op=op, group=group, async_op=async_op)
 
 
 def _global(group_rank: int, group) -> int:

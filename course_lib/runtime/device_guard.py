@@ -31,6 +31,7 @@ COLLECTIVES = {
     # name: positions of its tensor arguments (a list of tensors counts as a tensor argument)
     "all_reduce": (0,), "broadcast": (0,), "reduce": (0,), "send": (0,), "recv": (0,), "isend": (0,), "irecv": (0,),
     "all_gather": (0, 1), "all_gather_into_tensor": (0, 1), "reduce_scatter": (0, 1), "reduce_scatter_tensor": (0, 1),
+    "all_gather_single": (0, 1), "reduce_scatter_single": (0, 1),  # torch 2.13's names of the two before them
     "all_to_all_single": (0, 1), "all_to_all": (0, 1), "scatter": (0, 1), "gather": (0, 1),
 }
 FACTORIES = {"tensor", "as_tensor", "from_numpy", "zeros", "ones", "empty", "full", "arange", "linspace", "rand",

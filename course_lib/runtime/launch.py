@@ -213,10 +213,18 @@ def _signal_name(exitcode: int) -> str:
 
 
 def _log_tail(log_dir, rank: int, lines: int = 15) -> str:
+    """The last lines of a rank's log; for a rank that died of a signal, the lines before faulthandler's report
+    (what the process printed last, such as a C++ library's error) and the stack of its main thread."""
     path = Path(log_dir) / f"rank_{rank}" / "train.log"
     if not path.exists():
         return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    text = path.read_text(errors="replace")
+    before, marker, report = text.partition("Fatal Python error")
+    if not marker:
+        return "\n".join(text.splitlines()[-lines:])
+    error = report.splitlines()[0] if report else ""
+    stack = _main_thread(report.split("\n", 1)[-1].split("\nExtension modules:")[0])
+    return "\n".join([*before.splitlines()[-lines:], f"Fatal Python error{error}", stack])
 
 
 _LAUNCHER_FILE = os.path.abspath(__file__)
@@ -236,7 +244,8 @@ def _is_own_code(filename: str) -> bool:
 
 
 def where(frames) -> str:
-    """One line saying where a stack stands: "all_reduce, called at job.py:42 in evaluate: dist.all_reduce(x)".
+    """One line saying where a stack stands: "in all_reduce, called at job.py:42 in evaluate: dist.all_reduce(x),
+    from job.py:90 in train: loss = evaluate(model)" (the innermost frame and up to two of its callers).
 
     frames: (filename, line number, function) from the outermost call to the innermost. The collective is the
     innermost torch.distributed function on the stack; the place is the innermost frame of the ranks' own code.
@@ -250,9 +259,11 @@ def where(frames) -> str:
     own = [frame for frame in frames if _is_own_code(frame[0])]
     if not own:
         return f"in {collective}" if collective else "(no frame of the worker's code on its stack)"
-    filename, line, function = own[-1]
-    code = linecache.getline(filename, line).strip()
-    place = f"{relative_paths(filename)}:{line} in {function}" + (f": {code}" if code else "")
+    places = []
+    for filename, line, function in reversed(own[-3:]):  # the innermost frame, then up to two of its callers
+        code = linecache.getline(filename, line).strip()
+        places.append(f"{relative_paths(filename)}:{line} in {function}" + (f": {code}" if code else ""))
+    place = ", from ".join(places)
     return f"in {collective}, called at {place}" if collective else f"at {place}"
 
 

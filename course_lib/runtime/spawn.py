@@ -18,6 +18,12 @@ The copy runs in a module whose only globals are the names of SPAWNABLE_IMPORTS 
 torch, dist, nn, F) and the builtins. A function that uses any other notebook name, a lambda, a closure
 or a function whose source cannot be found is refused at once with an error that says why.
 
+Tracebacks name the copy `<notebook function NAME>` (display_name), with the line numbers of the cell it was
+written in, never the temporary file the ranks import it from:
+
+    File "<notebook function break_rank_2>", line 9, in break_rank_2
+        raise RuntimeError(f"simulated failure in rank {rank} at step {step}")
+
 `call(fn, *args)` is the plain worker: it runs any spawnable function on every rank.
 `single_process_group()` gives one process a one-rank gloo group (enough for DistributedDataParallel).
 """
@@ -93,6 +99,29 @@ def _functions_folder() -> str:
     return _module_dir
 
 
+def display_name(fn) -> str:
+    """The file name tracebacks show for spawnable(fn)'s code: `<notebook function NAME>`."""
+    return f"<notebook function {fn.__name__}>"
+
+
+def _module_text(name: str, source: str) -> str:
+    """The module file of a spawnable copy: SPAWNABLE_IMPORTS, then the function's source compiled under `name`
+    (registered in linecache, so tracebacks quote its lines in every process that imports it); the helper names
+    are deleted, so the function's globals are the imports alone."""
+    return "\n".join([
+        f'"""{name}: a copy made by course_lib.runtime.spawn.spawnable."""',
+        *SPAWNABLE_IMPORTS,
+        "import linecache as _linecache",
+        "",
+        f"_SOURCE = {source!r}",
+        f"_NAME = {name!r}",
+        "_linecache.cache[_NAME] = (len(_SOURCE), None, _SOURCE.splitlines(keepends=True), _NAME)",
+        "exec(compile(_SOURCE, _NAME, 'exec'), globals())",
+        "del _linecache, _SOURCE, _NAME",
+        "",
+    ])
+
+
 def _importable_as_is(fn) -> bool:
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     return (module is not None and module.__name__ != "__main__" and getattr(module, "__file__", None) is not None
@@ -129,7 +158,9 @@ def spawnable(fn):
             f"{name} uses {missing}, which the ranks will not have: a spawned rank sees only "
             f"{', '.join(sorted(_AVAILABLE))} and the builtins. Import or define what it needs inside "
             "the function body.")
-    text = "\n".join(SPAWNABLE_IMPORTS) + "\n\n\n" + source
+    # Blank lines before the source keep the cell's line numbers: line 9 of a traceback is line 9 of the cell.
+    source = "\n" * (fn.__code__.co_firstlineno - 1) + source
+    text = _module_text(display_name(fn), source)
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     module_name = f"_notebook_{fn.__name__}_{digest}"
     path = os.path.join(_functions_folder(), f"{module_name}.py")

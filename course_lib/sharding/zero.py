@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from course_lib.core.optim import param_groups
 from course_lib.data_parallel.scratch import allreduce_gradients, broadcast_parameters
-from course_lib.runtime.collectives import shard_numel
+from course_lib.runtime.collectives import all_gather_single, reduce_scatter_single, shard_numel
 
 STAGES = (0, 1, 2, 3)
 COMPUTE_DTYPES = {"fp32": torch.float32, "mixed": torch.bfloat16}
@@ -232,7 +232,7 @@ class ZeroOptimizer:
         # The flat copy is fp32 whatever the compute dtype, so the sum over the ranks is not rounded to bf16.
         flat = self.layout.flatten([p.grad for p in self.params], torch.float32)
         mine = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
-        dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
+        reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
         self.comm_volume["reduce_scatter"] += flat.numel()
         return mine.div_(self.world_size)
 
@@ -254,7 +254,7 @@ class ZeroOptimizer:
             full = shard
         else:
             full = torch.empty(self.layout.shard_numel * self.layout.parts, dtype=shard.dtype, device=self.device)
-            dist.all_gather_into_tensor(full, shard, group=self.group)
+            all_gather_single(full, shard, group=self.group)
             self.comm_volume["all_gather"] += full.numel()
         self.layout.unflatten_into(full, self.params)
 

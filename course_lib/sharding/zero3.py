@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.runtime.collectives import all_gather_single
 from course_lib.sharding.zero import ZeroOptimizer
 
 
@@ -182,6 +183,6 @@ class Zero3Optimizer(ZeroOptimizer):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """name -> full parameter, all-gathered from the shards (a collective: call it on every rank)."""
         full = torch.empty(self.layout.shard_numel * self.layout.parts, dtype=self.dtype, device=self.device)
-        dist.all_gather_into_tensor(full, self.param_shard, group=self.group)
+        all_gather_single(full, self.param_shard, group=self.group)
         return {self.names[p]: full[o:o + p.numel()].view(p.shape).clone() for p, o in
                 zip(self.params, self.layout.offsets)}

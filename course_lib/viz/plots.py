@@ -1,4 +1,4 @@
-"""Figures for the notebooks: loss curves, memory bars, a parallelism diagram, weight histograms.
+"""Figures for the notebooks: loss curves, memory bars, a parallelism diagram, weight histograms, pipeline timelines.
 
 Every function draws with matplotlib's object API and returns the Figure, so a notebook shows it and a
 test counts its lines and bars; none calls plt.show(). Loss curves read the records that
@@ -34,9 +34,15 @@ from course_lib.memory.accounting import (
     estimate_training_memory,
     format_bytes,
 )
+from course_lib.observability.timeline import COLORS, plot_timelines
+from course_lib.pipeline_parallel.schedules import with_idle
 
 LAYER_COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B2")
 SERIES_NAMES = {"loss": "train", "val_loss": "validation"}  # legend names of the metrics keys
+PAGE_WIDTH_IN = 8.0
+"""Width of a figure drawn for the book's page: 800 px at the 100 dpi of Jupyter's inline backend, shown at the
+page's content width (about 700 px) without shrinking its 10-point labels below 10 px."""
+PIPELINE_LABEL_PT = 8  # micro-batch numbers on the bars: 11 px at 100 dpi
 
 
 def _new_axes(ax, figsize=(7, 4)):
@@ -262,6 +268,43 @@ def plot_bar_table(labels: Sequence[str], values: Sequence[float], *, ylabel: st
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     if title:
         ax.set_title(title)
+    return fig
+
+
+def plot_pipeline_timelines(panels: Mapping[str, tuple[Sequence, Sequence]], *, xlabel: str | None = None,
+                            width: float = PAGE_WIDTH_IN) -> Figure:
+    """Pipeline timelines at the width of a book page, one panel per schedule, one row per rank.
+
+    panels: {title: (per_rank_intervals, per_rank_micro_batch_ids)}, as simulate_schedule returns them or as a
+    pipeline run records them: every forward and backward a bar, every idle gap grey, the micro-batch number
+    written on each bar wide enough to hold it. One legend for the whole figure, above the panels.
+    """
+    if not panels:
+        raise ValueError("need at least one panel: {title: (per_rank_intervals, per_rank_ids)}")
+    n_ranks = max(len(per_rank) for per_rank, _ in panels.values())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, len(panels) * (0.5 * n_ranks + 1.05) + 0.45),
+                             layout="constrained", squeeze=False)
+    axes_px = 0.88 * width * 100  # the time axis at 100 dpi, between the rank labels and the right edge
+    kinds = {}
+    for ax, (title, (per_rank, ids)) in zip(axes[:, 0], panels.items()):
+        drawn = with_idle(per_rank)
+        plot_timelines(drawn, ax=ax, title=title)
+        kinds.update((kind, COLORS.get(kind, "#999999")) for rank in drawn for kind, _, _ in rank)
+        ax.get_legend().remove()
+        ax.title.set_fontsize(10)
+        origin = min(start for rank in per_rank for _, start, _ in rank)
+        span = max(end for rank in per_rank for _, _, end in rank) - origin
+        for r, (intervals, numbers) in enumerate(zip(per_rank, ids)):
+            for (kind, start, end), i in zip(intervals, numbers):
+                x = (start - origin) * 1e3
+                ax.plot([x, x], [r - 0.35, r + 0.35], color="white", linewidth=0.8)  # where one bar meets the next
+                if (end - start) / span * axes_px >= 7 * len(str(i)) + 3:  # the number fits inside its bar
+                    ax.text(((start + end) / 2 - origin) * 1e3, r, str(i), ha="center", va="center",
+                            fontsize=PIPELINE_LABEL_PT, color="white")
+        ax.set_xlabel(xlabel or "time (ms)")
+    kinds = dict(sorted(kinds.items(), key=lambda item: item[0] == "idle"))  # idle last
+    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=color, label=kind) for kind, color in kinds.items()],
+               loc="outside upper center", ncols=len(kinds), fontsize=9, frameon=False)
     return fig
 
 

@@ -186,7 +186,8 @@ def _regions(source: str, region: tuple[str, str]) -> tuple[list[str], str]:
 
 
 def solution_lines(source: Path) -> list[tuple[str, tuple[str, str]]]:
-    """(line, region) of the solution and hidden-test regions that a student never sees in the notebook."""
+    """(line, region) of the solution and hidden-test regions that a student never sees in the notebook (nor in the
+    scripts it hands over whole: the debugging labs' jobs)."""
     notebook = nbformat.read(source, as_version=4)
     hidden, visible = [], []
     for cell in notebook.cells:
@@ -194,6 +195,9 @@ def solution_lines(source: Path) -> list[tuple[str, tuple[str, str]]]:
         tests, rest = _regions(rest, HIDDEN_TESTS_REGION)
         hidden += [(line, SOLUTION_REGION) for line in solutions] + [(line, HIDDEN_TESTS_REGION) for line in tests]
         visible.append(rest.replace("`", "") if cell.cell_type == "markdown" else rest)  # hints quote code
+    from course_lib.debugging.jobs import script_of
+
+    visible += [script_of(job) for job in sorted(set(re.findall(r'run_job\("(job_\d+)"', "".join(visible))))]
     visible_text = normalise("\n".join(visible))
     distinctive = []
     for line, region in hidden:

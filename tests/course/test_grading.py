@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -332,7 +333,10 @@ TRAINER_EXERCISES = GradedNotebook("session_b", "05_trainer_exercises", {
     "shard_contiguous_blocks": ("dp2_shard_indices", "dp2_shard_indices_tests", [
         ("indices[rank::world_size]", "indices[rank * per_rank:(rank + 1) * per_rank]")]),
     "shard_without_padding": ("dp2_shard_indices", "dp2_shard_indices_tests", [
-        ("    indices += indices[:per_rank * world_size - num_samples]  # pad by repeating the start\n", "")]),
+        ("    indices += (indices * math.ceil(padding / num_samples))[:padding]  # pad by repeating the permutation\n",
+         "")]),
+    "shard_padding_repeats_the_start_once": ("dp2_shard_indices", "dp2_shard_indices_tests", [
+        ("(indices * math.ceil(padding / num_samples))[:padding]", "indices[:padding]")]),
     "shard_epoch_ignored": ("dp2_shard_indices", "dp2_shard_indices_tests", [
         ("manual_seed(seed + epoch)", "manual_seed(seed)")]),
 }, delegations={
@@ -481,8 +485,23 @@ DDP_EXERCISES = GradedNotebook("session_b", "02b_ddp_exercises", {
         ("            flat /= world_size\n", "")]),
     "buckets_counts_not_reset": ("ddp2_buckets", "ddp2_buckets_tests", [
         ("        for i in range(len(ready)):\n            ready[i] = 0\n", "")]),
-    "buckets_one_per_parameter": ("ddp2_buckets", "ddp2_buckets_tests", [
-        ("if current and size + nbytes > cap_bytes:", "if current:")]),
+    "buckets_cap_read_as_bytes": ("ddp2_buckets", "ddp2_buckets_tests", [
+        ("cap_bytes = int(bucket_cap_mb * 2**20)", "cap_bytes = bucket_cap_mb")]),
+    "buckets_closed_before_the_cap": ("ddp2_buckets", "ddp2_buckets_tests", [
+        ("""        current.append(param)
+        size += param.numel() * param.element_size()
+        if size >= cap_bytes:  # this parameter took the bucket to the cap or past it: close it
+            buckets.append(current)
+            current, size = [], 0
+""", """        nbytes = param.numel() * param.element_size()
+        if current and size + nbytes > cap_bytes:  # the next parameter would pass the cap: close first
+            buckets.append(current)
+            current, size = [], 0
+        current.append(param)
+        size += nbytes
+""")]),
+    "buckets_last_one_dropped": ("ddp2_buckets", "ddp2_buckets_tests", [
+        ("    if current:\n        buckets.append(current)\n", "")]),
     "ring_all_gather_with_the_reduce_indices": ("ddp3_ring", "ddp3_ring_tests", [
         ("send_index, recv_index = (rank + 1 - step) % world_size, (rank - step) % world_size",
          "send_index, recv_index = (rank - step) % world_size, (rank - step - 1) % world_size")]),
@@ -553,11 +572,10 @@ def bucketed_gradient_sync(model, bucket_cap_mb):
     for param in reversed(list(model.parameters())):
         if not param.requires_grad:
             continue
-        nbytes = param.numel() * param.element_size()
-        if not buckets or buckets[-1]["bytes"] + nbytes > limit:
+        if not buckets or buckets[-1]["bytes"] >= limit:  # the last bucket reached the limit: it is closed
             buckets.append({"params": [], "bytes": 0, "ready": 0, "work": None, "flat": None})
         buckets[-1]["params"].append(param)
-        buckets[-1]["bytes"] += nbytes
+        buckets[-1]["bytes"] += param.numel() * param.element_size()
 
     def make_hook(bucket):
         def hook(param):
@@ -721,6 +739,9 @@ JOB_EXERCISES = GradedNotebook("session_c", "03b_job_exercises", {
          '        (directory / "manifest.json").write_text(json.dumps(manifest))')]),
     "ranked_every_rank_writes_everything": ("job2_ranked", "job2_ranked_tests", [
         ("torch.save(padded[rank * shard:(rank + 1) * shard].clone(),", "torch.save(flat.clone(),")]),
+    "ranked_shard_saved_as_a_view": ("job2_ranked", "job2_ranked_tests", [
+        ("torch.save(padded[rank * shard:(rank + 1) * shard].clone(),",
+         "torch.save(padded[rank * shard:(rank + 1) * shard],")]),
     "ranked_without_padding": ("job2_ranked", "job2_ranked_tests", [
         ("    padded = torch.cat([flat, flat.new_zeros(shard * world_size - flat.numel())])\n",
          "    padded = flat\n")]),
@@ -1008,148 +1029,141 @@ def zero3_shard(model):
 """,
 })
 
-# The debugging lab (session C, notebook 06): six bugs, every fix run on 2-4 ranks.
-DEBUGGING_LAB = GradedNotebook("session_c", "06_debugging_lab", {
-    "mean_returned_on_rank_zero_only": ("dbg1_mean_loss", "dbg1_mean_loss_tests", [
-        ("    return total.item() / dist.get_world_size()",
-         "    return total.item() / dist.get_world_size() if dist.get_rank() == 0 else None")]),
-    "mean_is_the_sum": ("dbg1_mean_loss", "dbg1_mean_loss_tests", [
-        ("    return total.item() / dist.get_world_size()", "    return total.item()")]),
-    "mean_as_a_tensor": ("dbg1_mean_loss", "dbg1_mean_loss_tests", [
-        ("    return total.item() / dist.get_world_size()", "    return total / dist.get_world_size()")]),
-    "epoch_never_set": ("dbg2_epoch_indices", "dbg2_epoch_indices_tests", [
-        ("    sampler.set_epoch(epoch)\n", "")]),
-    "epoch_off_by_one": ("dbg2_epoch_indices", "dbg2_epoch_indices_tests", [
-        ("sampler.set_epoch(epoch)", "sampler.set_epoch(epoch + 1)")]),
-    "sampler_seeded_per_rank": ("dbg2_epoch_indices", "dbg2_epoch_indices_tests", [
-        ("shuffle=True, seed=seed)", "shuffle=True, seed=seed + rank)")]),
-    "ddp_without_unused_parameters": ("dbg3_unused", "dbg3_unused_tests", [
-        ("return DistributedDataParallel(model, find_unused_parameters=True)", "return DistributedDataParallel(model)")]),
-    "no_ddp_at_all": ("dbg3_unused", "dbg3_unused_tests", [
-        ("return DistributedDataParallel(model, find_unused_parameters=True)", "return model")]),
-    "head_frozen_after_wrapping": ("dbg3_unused", "dbg3_unused_tests", [
-        ("    return DistributedDataParallel(model, find_unused_parameters=True)",
-         "    wrapped = DistributedDataParallel(model)\n    model.head_b.requires_grad_(False)\n    return wrapped")]),
-    "accumulation_not_divided": ("dbg4_accumulate", "dbg4_accumulate_tests", [
-        ("(loss / len(micro_batches)).backward()", "loss.backward()")]),
-    "accumulation_divided_by_the_world_size": ("dbg4_accumulate", "dbg4_accumulate_tests", [
-        ("(loss / len(micro_batches)).backward()", "(loss / dist.get_world_size()).backward()")]),
-    "accumulation_divided_by_three": ("dbg4_accumulate", "dbg4_accumulate_tests", [
-        ("(loss / len(micro_batches)).backward()", "(loss / 3).backward()")]),
-    "fp16_without_scaling": ("dbg5_fp16", "dbg5_fp16_tests", [
-        ("    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()",
-         "    loss.backward()\n    optimizer.step()")]),
-    "fp16_scaled_never_unscaled": ("dbg5_fp16", "dbg5_fp16_tests", [
-        ("    scaler.step(optimizer)", "    optimizer.step()")]),
-    "fp16_scaled_by_hand": ("dbg5_fp16", "dbg5_fp16_tests", [
-        ("    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()",
-         "    (loss * 65536.0).backward()\n    for param in model.parameters():\n        param.grad /= 65536.0\n"
-         "    optimizer.step()")]),
-    "checkpoint_by_every_rank_in_place": ("dbg6_checkpoint", "dbg6_checkpoint_tests", [
-        ("    if dist.get_rank() == 0:\n        tmp = f\"{path}.tmp\"\n        torch.save(model.state_dict(), tmp)\n"
-         "        os.replace(tmp, path)  # readers see the old file or the new one, whole\n",
-         "    torch.save(model.state_dict(), path)\n")]),
-    "checkpoint_in_place_by_rank_zero": ("dbg6_checkpoint", "dbg6_checkpoint_tests", [
-        ("        tmp = f\"{path}.tmp\"\n        torch.save(model.state_dict(), tmp)\n"
-         "        os.replace(tmp, path)  # readers see the old file or the new one, whole\n",
-         "        torch.save(model.state_dict(), path)\n")]),
-    "checkpoint_by_every_rank_atomically": ("dbg6_checkpoint", "dbg6_checkpoint_tests", [
-        ("    if dist.get_rank() == 0:\n        tmp = f\"{path}.tmp\"\n        torch.save(model.state_dict(), tmp)\n"
-         "        os.replace(tmp, path)  # readers see the old file or the new one, whole\n",
-         "    tmp = f\"{path}.{dist.get_rank()}.tmp\"\n    torch.save(model.state_dict(), tmp)\n    os.replace(tmp, path)\n")]),
-}, delegations={
-    "dbg1_mean_loss": """\
-def mean_loss(loss):
-    from course_lib.runtime.collectives import mean_over_ranks
+# The debugging labs (session C, notebooks 06 and 07): 13 jobs, each a diagnosis (no ranks) and a fix run on 2 ranks.
+# Wrong diagnoses change one field; wrong fixes are edits of the correct function, none of which hangs (a hang costs
+# the timeout); the right answers written differently are edits too.
+_LAB_ANSWERS = {  # job number -> (ranks, function, cause, the functions its fix rewrites)
+    1: ("[0]", "train", "A", ("train",)), 2: ("[0]", "train", "A", ("train",)),
+    3: ('"all"', "evaluate", "C", ("evaluate",)), 4: ('"all"', "make_loader", "D", ("make_loader",)),
+    5: ("[0]", "train", "B", ("train",)), 6: ('"all"', "train", "H", ("train",)),
+    7: ("[0]", "train", "L", ("train",)), 8: ('"all"', "JobModel", "G", ("JobModel",)),
+    9: ('"all"', "train", "E", ("train",)), 10: ("[0]", "train", "F", ("train",)),
+    11: ('"all"', "train_step", "I", ("train_step",)), 12: ('"all"', "train_step", "J", ("train_step",)),
+    13: ('"all"', "train_step", "K", ("train_step",)),
+}
+_MEAN = "            global_loss = mean_over_ranks(loss, device)"
+_EVAL = "                record[\"val_loss\"] = evaluate(model, val_windows, rank, world_size)"
+_FINAL_SAVE = "    save_checkpoint(checkpoint, model, optimizer, step, rank)\n    final = build_model(config).to(device)"
+_FINAL_LOAD = "    load_checkpoint(checkpoint, final, None)\n"
+_SCALED = "            scaler.scale(loss / len(micro_batches)).backward()"
+_HALF_THE_WINDOWS = [(_EVAL, _EVAL.replace("val_windows,", "val_windows[:6],"))]  # right steps, wrong held-out loss
+_SYNCED_EVERY_MICRO_BATCH = [("with nullcontext() if last else model.no_sync():", "with nullcontext():")]
+_LAB_WRONG_FIXES = {  # job -> [(name, [(text of the correct function, wrong text)])]; none waits for a timeout
+    1: [("loss_not_averaged", [(_MEAN, "            global_loss = loss.item()")]),
+        ("loss_summed", [(_MEAN, _MEAN + " * world_size")]),
+        ("half_the_held_out_windows", _HALF_THE_WINDOWS)],
+    2: [("half_the_held_out_windows", _HALF_THE_WINDOWS),
+        ("the_checkpoint_not_reloaded", [(_FINAL_LOAD, "")]),
+        ("each_rank_its_own_evaluation", [(_EVAL, _EVAL.replace("rank, world_size)", "rank, 1)"))])],
+    3: [("mean_of_the_ranks_means", [("[loss.item() * len(mine), len(mine)]", "[loss.item(), 1]")]),
+        ("no_all_reduce", [("    dist.all_reduce(totals)\n", "")]),
+        ("a_window_left_out", [("mine = val_windows[rank::world_size]", "mine = val_windows[rank * 5:(rank + 1) * 5]")])],
+    4: [("ranks_shuffled_differently", [("shuffle=True, seed=config.seed,", "shuffle=True, seed=config.seed + rank,")]),
+        ("every_rank_reads_everything", [("num_replicas=world_size, rank=rank,", "num_replicas=1, rank=0,")]),
+        ("padded_windows_read_twice", [("\n                                 drop_last=True)",
+                                        "\n                                 drop_last=False)"),
+                                       ("sampler=sampler, drop_last=True)", "sampler=sampler)")])],
+    5: [("loss_not_averaged", [(_MEAN, "            global_loss = loss.item()")]),
+        ("each_rank_its_own_evaluation", [(_EVAL, _EVAL.replace("rank, world_size)", "rank, 1)"))]),
+        ("half_the_held_out_windows", _HALF_THE_WINDOWS)],
+    6: [("the_wrapper_saved", [(_FINAL_SAVE, _FINAL_SAVE.replace("checkpoint, model,", "checkpoint, ddp,"))]),
+        ("the_checkpoint_not_reloaded", [(_FINAL_LOAD, "")]),
+        ("the_test_loss_of_another_model", [("    test_loss = evaluate(final, val_windows, rank, world_size)",
+                                             "    test_loss = evaluate(build_model(config), val_windows, rank, world_size)")])],
+    7: [("final_file_never_written", [("    load_checkpoint(checkpoint, final, None)", "    load_checkpoint(out_dir / \"final.pt\", final, None)")]),
+        ("the_checkpoint_not_reloaded", [(_FINAL_LOAD, "")]),
+        ("the_test_loss_of_another_model", [("    test_loss = evaluate(final, val_windows, rank, world_size)",
+                                             "    test_loss = evaluate(build_model(config), val_windows, rank, world_size)")])],
+    8: [("head_always_built", [("        if aux_loss_weight > 0:\n            self.aux_head", "        self.aux_head")]),
+        ("aux_loss_unweighted", [("loss = loss + self.aux_loss_weight * aux", "loss = loss + aux")]),
+        ("aux_head_with_a_bias", [("config.vocab_size, bias=False)", "config.vocab_size, bias=True)")])],
+    9: [("epoch_never_set", [("        sampler.set_epoch(epoch)\n", "")]),
+        ("epoch_off_by_one", [("sampler.set_epoch(epoch)", "sampler.set_epoch(epoch + 1)")]),
+        ("half_the_held_out_windows", _HALF_THE_WINDOWS)],
+    10: [("optimizer_state_not_restored", [("step = load_checkpoint(checkpoint, model, optimizer)",
+                                            "step = load_checkpoint(checkpoint, model, None)")]),
+         ("step_count_not_restored", [("step = load_checkpoint(checkpoint, model, optimizer)",
+                                       "load_checkpoint(checkpoint, model, optimizer)")]),
+         ("half_the_held_out_windows", _HALF_THE_WINDOWS)],
+    11: [("synced_every_micro_batch", [("with nullcontext() if last else model.no_sync():", "with nullcontext():")]),
+         ("the_last_micro_batch_not_synced", [("nullcontext() if last else model.no_sync()",
+                                               "model.no_sync() if last else nullcontext()")]),
+         ("synced_on_the_first", [("last = i == len(micro_batches) - 1", "last = i == 0")])],
+    12: [("divided_by_the_ranks_too", [(_SCALED, _SCALED.replace("len(micro_batches))", "(len(micro_batches) * dist.get_world_size()))"))]),
+         ("synced_every_micro_batch", _SYNCED_EVERY_MICRO_BATCH),
+         ("logged_loss_summed", [("total += loss.detach().float() / len(micro_batches)", "total += loss.detach().float()")])],
+    13: [("not_divided", [(_SCALED, "            scaler.scale(loss).backward()")]),
+         ("synced_every_micro_batch", _SYNCED_EVERY_MICRO_BATCH),
+         ("clipped_at_four", [("clip_grad_norm_(model.parameters(), 1.0)", "clip_grad_norm_(model.parameters(), 4.0)")])],
+}
+_LAB_ALTERNATIVE_FIXES = {  # job -> [(text of the correct function, another right way to write it)]
+    1: [(_MEAN, "            summed = torch.tensor([loss.item()], dtype=torch.float64, device=device)\n"
+                "            dist.all_reduce(summed, op=dist.ReduceOp.SUM)\n"
+                "            global_loss = summed.item() / world_size")],
+    2: [("            if step % config.eval_every == 0:\n" + _EVAL,
+         "            evaluating = step % config.eval_every == 0\n            if evaluating:\n" + _EVAL)],
+    3: [("    totals = torch.tensor([loss.item() * len(mine), len(mine)], dtype=torch.float64, device=mine.device)\n"
+         "    dist.all_reduce(totals)\n    return (totals[0] / totals[1]).item()",
+         "    total = torch.tensor([loss.item() * mine.shape[0]], dtype=torch.float64, device=mine.device)\n"
+         "    count = torch.tensor([float(mine.shape[0])], dtype=torch.float64, device=mine.device)\n"
+         "    dist.all_reduce(total)\n    dist.all_reduce(count)\n    return total.item() / count.item()")],
+    4: [("    loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)",
+         "    loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True, num_workers=0)")],
+    5: [(_EVAL, "                val_loss = evaluate(model, val_windows, rank, world_size)\n"
+                "                record[\"val_loss\"] = val_loss")],
+    6: [(_FINAL_SAVE, _FINAL_SAVE.replace("checkpoint, model,", "checkpoint, ddp.module,"))],
+    7: [(_FINAL_SAVE, _FINAL_SAVE + "\n    dist.barrier()  # once more: nobody reads before everyone has seen it")],
+    8: [("        if aux_loss_weight > 0:\n            self.aux_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)",
+         "        self.aux_head = (torch.nn.Linear(config.n_embd, config.vocab_size, bias=False) if aux_loss_weight > 0\n"
+         "                         else None)")],
+    9: [("        sampler.set_epoch(epoch)\n        micro_batches = []", "        micro_batches = []\n        sampler.set_epoch(epoch)")],
+    10: [("        step = load_checkpoint(checkpoint, model, optimizer)",
+          "        state = torch.load(checkpoint, map_location=device, weights_only=True)\n"
+          "        model.load_state_dict(state[\"model\"])\n        optimizer.load_state_dict(state[\"optimizer\"])\n"
+          "        step = state[\"step\"]")],
+    11: [("        with nullcontext() if last else model.no_sync():", "        with (model.no_sync() if not last else nullcontext()):")],
+    12: [(_SCALED, "            scaler.scale(loss.div(len(micro_batches))).backward()")],
+    13: [(_SCALED, "            scaler.scale(loss * (1.0 / len(micro_batches))).backward()")],
+}
 
-    return mean_over_ranks(loss)
-""",
-    "dbg2_epoch_indices": """\
-def epoch_indices(num_samples, rank, world_size, epoch, seed=0):
-    from course_lib.data_parallel.sampler import shard_indices
 
-    return shard_indices(num_samples, rank, world_size, seed=seed, epoch=epoch)
-""",
-    "dbg3_unused": """\
-def wrap(model):
-    from course_lib.data_parallel import apply_ddp
+def _fix_answer(job: int, edits=()) -> str:
+    """The correct functions of job `job` (train_job.py's), with edits, as an answer cell writes them."""
+    from course_lib.debugging import train_job
 
-    return apply_ddp(model)
-""",
-    "dbg4_accumulate": """\
-def accumulate(model, micro_batches):
-    return buggy_accumulate(model, [idx for idx in micro_batches])
-""",
-    "dbg5_fp16": """\
-def fp16_step(model, optimizer, scaler, x, y):
-    from course_lib.precision import amp
+    names = _LAB_ANSWERS[job][3]
+    code = "\n\n".join(inspect.getsource(getattr(train_job, name)).rstrip() for name in names)
+    for old, new in edits:
+        assert code.count(old) == 1, f"job {job}: {old!r} is not once in the correct functions"
+        code = code.replace(old, new)
+    return f"# your function(s), then fixes_{job} = [...]\n{code}\n\n\nfixes_{job} = [{', '.join(names)}]"
 
-    amp.scaled_fp16_step(model, optimizer, scaler, x, y)
-""",
-    "dbg6_checkpoint": """\
-def save(model, path):
-    from course_lib.checkpoint.atomic import save_checkpoint
 
-    save_checkpoint(path, model, None, 0)
-""",
-}, alternatives={
-    "dbg1_mean_loss": """\
-def mean_loss(loss):
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, float(loss))
-    return sum(values) / len(values)
-""",
-    "dbg2_epoch_indices": """\
-def epoch_indices(num_samples, rank, world_size, epoch, seed=0):
-    g = torch.Generator().manual_seed(seed + epoch)
-    order = torch.randperm(num_samples, generator=g).tolist()
-    per_rank = math.ceil(num_samples / world_size)
-    order += order[:per_rank * world_size - num_samples]
-    return order[rank::world_size]
-""",
-    "dbg3_unused": """\
-def wrap(model):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _lab_notebook(name: str, jobs: range) -> GradedNotebook:
+    wrong, delegations, alternatives = {}, {}, {}
+    for n in jobs:
+        ranks, function, cause, names = _LAB_ANSWERS[n]
+        right = f'diagnosis_{n} = {{"ranks": {ranks}, "function": "{function}", "cause": "{cause}"}}'
+        other_cause = "A" if cause != "A" else "B"
+        other_ranks = '"all"' if ranks != '"all"' else "[0]"
+        other_function = "mean_over_ranks" if function != "mean_over_ranks" else "train"
+        for label, old, new in (("cause", f'"cause": "{cause}"', f'"cause": "{other_cause}"'),
+                                ("ranks", f'"ranks": {ranks}', f'"ranks": {other_ranks}'),
+                                ("function", f'"function": "{function}"', f'"function": "{other_function}"')):
+            wrong[f"job{n}_diagnosis_wrong_{label}"] = (f"dbg{n}_diagnosis", f"dbg{n}_diagnosis_tests", [(old, new)])
+        delegations[f"dbg{n}_diagnosis"] = f"from course_lib.debugging import jobs\n\n{right}\n"
+        ranks_value = '"all"' if ranks == '"all"' else "(0,)"
+        alternatives[f"dbg{n}_diagnosis"] = f'diagnosis_{n} = dict(cause="{cause}", function="{function}", ranks={ranks_value})\n'
+        for label, edits in _LAB_WRONG_FIXES[n]:
+            wrong[f"job{n}_fix_{label}"] = (f"dbg{n}_fix", f"dbg{n}_fix_tests", edits)
+        imported = ", ".join(names)
+        delegations[f"dbg{n}_fix"] = f"from course_lib.debugging.train_job import {imported}\n\nfixes_{n} = [{imported}]\n"
+        alternatives[f"dbg{n}_fix"] = _fix_answer(n, _LAB_ALTERNATIVE_FIXES[n])
+    return GradedNotebook("session_c", name, wrong, delegations=delegations, alternatives=alternatives)
 
-    for p in model.head_b.parameters():
-        p.requires_grad_(False)
-    return DDP(model)
-""",
-    "dbg4_accumulate": """\
-def accumulate(model, micro_batches):
-    n = len(micro_batches)
-    for i, idx in enumerate(micro_batches):
-        context = model.no_sync() if i < n - 1 else nullcontext()
-        with context:
-            logits, loss = model(idx, targets=idx)
-            loss.div(n).backward()
-""",
-    "dbg5_fp16": """\
-def fp16_step(model, optimizer, scaler, x, y):
-    from course_lib.runtime.debug_lab_workers import tiny_loss
 
-    for p in model.parameters():
-        p.grad = None
-    with torch.autocast(device_type="cpu", dtype=torch.float16):
-        out = model(x)
-    scaler.scale(tiny_loss(out, y)).backward()
-    scaler.unscale_(optimizer)
-    scaler.step(optimizer)
-    scaler.update()
-""",
-    "dbg6_checkpoint": """\
-def save(model, path):
-    import os
-
-    rank = dist.get_rank()
-    if rank == 0:
-        partial = str(path) + ".partial"
-        with open(partial, "wb") as f:
-            torch.save(model.state_dict(), f)
-        os.replace(partial, path)
-    dist.barrier()
-""",
-})
+DEBUGGING_LAB = _lab_notebook("06_debugging_lab", range(1, 9))
+DEBUGGING_LAB_SILENT = _lab_notebook("07_debugging_lab_silent", range(9, 14))
 
 # Exercises 12-15b (session D). The tests of 12 start 4 ranks, of 14 and 15 2 ranks, of 15b 2 then 4 (hidden: 2 then 3).
 SHARDING_EXERCISES = GradedNotebook("session_d", "04_sharding_exercises", {
@@ -1461,8 +1475,8 @@ def one_f_one_b(n_stages, stage, micro_batches):
 """,
 })
 
-# One pure-Python exercise; the lesson's later cells use course_lib.hybrid.layout, so only its points are at stake.
-MESH_LAYOUT = GradedNotebook("session_e", "03_3d_parallelism", {
+# One pure-Python exercise; the lesson (03_3d_parallelism) uses course_lib.hybrid.layout, so only its points are at stake.
+MESH_LAYOUT = GradedNotebook("session_e", "03b_3d_exercises", {
     "pipeline_varies_fastest": ("ex18_rank_groups", "ex18_rank_groups_tests", [
         ("        return (d * pp + p) * tp + t", "        return (d * tp + t) * pp + p"),
         ("        t = rank % tp\n        p = rank // tp % pp\n", "        p = rank % pp\n        t = rank // pp % tp\n")]),
@@ -1498,7 +1512,7 @@ def rank_groups(world_size, tp, pp):
 })
 
 # Exercise 17's tests use the library's LoRALinear, so exercise 16's mistakes cost only exercise 16.
-LORA_FINETUNING = GradedNotebook("session_e", "04_lora_finetuning", {
+LORA_FINETUNING = GradedNotebook("session_e", "04b_lora_exercises", {
     "lora_forward_without_scaling": ("ex16_lora_forward", "ex16_lora_forward_tests", [
         ("self.base(x) + self.scaling * update", "self.base(x) + update")]),
     "lora_forward_a_and_b_swapped": ("ex16_lora_forward", "ex16_lora_forward_tests", [
@@ -1551,7 +1565,7 @@ def merge_lora_linear(layer):
 """,
 })
 
-GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, DEBUGGING_LAB, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
+GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, DEBUGGING_LAB, DEBUGGING_LAB_SILENT, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
 
 
 def grade_id(cell) -> str | None:

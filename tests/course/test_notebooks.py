@@ -18,8 +18,11 @@ Conventions every notebook follows (tests/course/test_notebook_metadata.py check
   kernel (the interpreter running pytest, where course_lib is installed). The test fails if the run
   leaves new files in that folder, or under a folder named after the notebook in the repository's
   runs/, logs/ or data/ (where relative defaults such as out_dir="runs/session_a/<notebook>" point).
-* Outputs show no folder of the machine (print paths with `course_lib.nbtools.shown`) and no stderr unless the
-  cell is tagged `show-stderr` (scripts/output_checks.py; `make book` checks the built pages the same way).
+* Outputs show no folder of the machine (print paths with `course_lib.nbtools.shown`), no path in its temporary
+  folder other than the out_dir/data_dir this test passes, and no stderr unless the cell is tagged `show-stderr`
+  (scripts/output_checks.py; `make book` checks the built pages the same way).
+* A prediction cell (tagged `prediction`, scripts/prediction_checks.py) comes before the measurement it asks
+  about: no cell above it prints the number that its reveal cell prints as `measured:`.
 * Every cell runs without error, so papermill (which fails on any error) runs the notebook on a GPU node too.
   A cell that fails on purpose to teach an error message wraps the code in
   `with course_lib.nbtools.expect_error(...)`, which prints the traceback and carries on.
@@ -38,6 +41,7 @@ import nbformat
 import papermill
 import pytest
 from output_checks import machine_folders, output_problems
+from prediction_checks import revealed_too_early
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +90,11 @@ def test_notebook_runs(path: Path, tmp_path: Path):
                          if path.parent in p.parents or path.stem in p.relative_to(REPO_ROOT).parts)
     assert not left_behind, (
         f"{path.name} wrote files outside its out_dir/data_dir parameters: {left_behind[:10]}")
-    # What the book would show: no folder of this machine (tmp_path is this test's own parameter) and no stderr.
-    problems = output_problems(nbformat.read(executed_path, as_version=4), machine_folders())
+    # What the book would show: no folder of this machine and no stderr. tmp_path holds this test's out_dir and
+    # data_dir, which stand in for the notebook's runs/ and data/ folders: paths under it may be shown.
+    problems = output_problems(nbformat.read(executed_path, as_version=4), machine_folders(),
+                               allowed=[str(tmp_path), str(tmp_path.resolve())])
     assert not problems, f"{path.name}:\n  " + "\n  ".join(problems)
+    # Predict, then measure: no measured value is printed above the cell that asks for its prediction.
+    early = revealed_too_early(nbformat.read(executed_path, as_version=4))
+    assert not early, f"{path.name}:\n  " + "\n  ".join(early)

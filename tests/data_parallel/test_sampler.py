@@ -45,3 +45,17 @@ def test_set_epoch_reshuffles():
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="rank=4, world_size=4"):
         shard_indices(10, 4, 4)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 7, 8, 16])
+def test_padding_longer_than_the_permutation_equals_distributed_sampler(world_size):
+    # num_samples < world_size pads with more entries than the permutation has: it repeats more than once
+    for num_samples in range(1, 3 * world_size + 2):
+        for rank in range(world_size):
+            for shuffle in (True, False):
+                sampler = DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                             seed=2)
+                sampler.set_epoch(1)
+                got = shard_indices(num_samples, rank, world_size, shuffle=shuffle, seed=2, epoch=1)
+                assert got == list(sampler), (num_samples, rank, world_size, shuffle)
+                assert len(got) == -(-num_samples // world_size)

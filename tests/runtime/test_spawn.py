@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from course_lib.data_parallel.exercise_workers import (
     train_steps_one_process,
 )
 from course_lib.runtime import spawn
-from course_lib.runtime.launch import launch
+from course_lib.runtime.launch import RankFailure, launch
 from course_lib.runtime.spawn import call, single_process_group, spawnable
 
 CELL = '''
@@ -66,7 +67,14 @@ def make_closure(k):
     def scaled(x):
         return k * x
     return scaled
+
+
+def fails_on_purpose(x):
+    if x > 2:
+        raise ValueError(f"on purpose: {x}")
+    return x
 '''
+RAISING_LINE = CELL.splitlines().index('        raise ValueError(f"on purpose: {x}")') + 1  # its line in the cell
 
 
 def run_cell(source: str, filename: str, register: bool = True) -> dict:
@@ -89,6 +97,20 @@ def test_copy_is_importable_and_behaves_like_the_original():
     assert copy is not NOTEBOOK["squares"] and copy.__module__.startswith("_notebook_squares_")
     assert copy(5) == NOTEBOOK["squares"](5) == [0, 1, 4, 9, 16]
     assert spawnable(NOTEBOOK["squares"]) is copy, "the same source must map to the same module"
+
+
+def test_tracebacks_name_the_notebook_function_and_its_cell_line_not_a_temporary_file():
+    copy = spawnable(NOTEBOOK["fails_on_purpose"])
+    assert copy(1) == 1 and spawn.display_name(copy) == "<notebook function fails_on_purpose>"
+    with pytest.raises(ValueError) as info:
+        copy(3)
+    text = "".join(traceback.format_exception(info.value))
+    assert f'File "<notebook function fails_on_purpose>", line {RAISING_LINE}, in fails_on_purpose' in text, text
+    assert 'raise ValueError(f"on purpose: {x}")' in text, "the traceback quotes the line that raised"
+    assert spawn._FOLDER_PREFIX not in text and tempfile.gettempdir() + "/" not in text, text
+    module = sys.modules[copy.__module__]
+    assert {n for n in vars(module) if not n.startswith("__")} == {
+        "math", "nullcontext", "torch", "dist", "nn", "F", "fails_on_purpose"}, "the copy's globals are the imports"
 
 
 def test_functions_of_real_modules_are_returned_unchanged():
@@ -159,6 +181,16 @@ def test_notebook_function_runs_under_launch(tmp_path):
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert {r["sum"] for r in results} == {12.0}  # (1 + 2 + 3) * 2 on every rank
     assert {r["sqrt"] for r in results} == {math.sqrt(3)}
+
+
+@pytest.mark.distributed
+def test_a_rank_failure_names_the_notebook_function_not_its_temporary_file(tmp_path):
+    with pytest.raises(RankFailure) as info:
+        launch(call, 2, args=(spawnable(NOTEBOOK["fails_on_purpose"]), 3), log_dir=tmp_path, echo=False,
+               threads_per_rank=1)
+    report = str(info.value)
+    assert f'File "<notebook function fails_on_purpose>", line {RAISING_LINE}, in fails_on_purpose' in report, report
+    assert 'raise ValueError(f"on purpose: {x}")' in report and spawn._FOLDER_PREFIX not in report, report
 
 
 @pytest.mark.distributed

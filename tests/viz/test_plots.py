@@ -10,13 +10,19 @@ import torch
 from matplotlib.figure import Figure
 
 from course_lib.memory.accounting import estimate_training_memory
+from course_lib.pipeline_parallel.schedules import simulate_schedule
 from course_lib.viz.plots import (
     plot_bar_table,
     plot_loss_curves,
     plot_memory_bars,
     plot_parallelism,
+    plot_pipeline_timelines,
     plot_weight_histograms,
 )
+
+INLINE_DPI = 100  # Jupyter's inline backend draws at matplotlib's default dpi, with bbox_inches="tight"
+PAGE_PX = (700, 850)  # a figure the book shows at its content width (~700 px) without shrinking it much
+MIN_TEXT_PX = 10
 
 
 @pytest.fixture(autouse=True)
@@ -147,3 +153,42 @@ def test_bar_table_signed_values():
     assert ax.get_lines()[0].get_ydata()[0] == 0  # the zero line
     with pytest.raises(ValueError, match="one value per label"):
         plot_bar_table(["a"], [1.0, 2.0], ylabel="x")
+
+
+def saved_width_px(fig, tmp_path) -> int:
+    """The width of the PNG the notebook shows (saved as the inline backend saves it)."""
+    from PIL import Image
+
+    path = tmp_path / "figure.png"
+    fig.savefig(path, dpi=INLINE_DPI, bbox_inches="tight")
+    with Image.open(path) as image:
+        return image.size[0]
+
+
+def text_sizes_px(fig) -> list[float]:
+    """The size in pixels at the inline dpi of every visible text: titles, labels, ticks, legend, annotations."""
+    fig.canvas.draw()
+    texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()]
+    return [t.get_fontsize() * INLINE_DPI / 72 for t in texts]
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(4, 8), (2, 8), (2, 16)])
+def test_pipeline_timelines_are_drawn_for_the_page_width_with_readable_numbers(tmp_path, stages, micro_batches):
+    panels = {name: simulate_schedule(name, stages, micro_batches, forward_time=1e-3, backward_time=2e-3)
+              for name in ("gpipe", "1f1b")}
+    fig = plot_pipeline_timelines(panels, xlabel="time (a forward takes 1 unit)")
+    assert PAGE_PX[0] <= saved_width_px(fig, tmp_path) <= PAGE_PX[1]
+    assert min(text_sizes_px(fig)) >= MIN_TEXT_PX
+    assert [ax.get_title() for ax in fig.axes] == ["gpipe", "1f1b"]
+    assert len(fig.legends) == 1 and [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "forward", "backward", "idle"], "one legend for the figure, above the panels"
+    for ax, (intervals, ids) in zip(fig.axes, panels.values()):
+        numbers = [t.get_text() for t in ax.texts]
+        bars = [str(i) for rank in ids for i in rank]
+        assert len(bars) == 2 * stages * micro_batches
+        if micro_batches <= 8:  # bars wide enough: every bar shows its micro-batch
+            assert sorted(numbers) == sorted(bars)
+        else:  # a number too wide for its bar is left out, never drawn over its neighbours
+            assert 0 < len(numbers) < len(bars) and set(numbers) <= set(bars)
+    with pytest.raises(ValueError, match="at least one panel"):
+        plot_pipeline_timelines({})

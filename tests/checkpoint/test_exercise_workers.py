@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from course_lib.checkpoint.exercise_workers import SHARD_HEADER_BYTES, check_ranked_save, saved_model
 from course_lib.runtime.launch import launch
-from course_lib.runtime.spawn import spawnable
 
 
 @pytest.mark.parametrize("numel", [1, 100, 43_700, 131_099, 394_496])

@@ -6,17 +6,22 @@
 
 `make book` runs the first line. Notebooks are executed as _config.yml says (`execute_notebooks: cache`:
 once, then re-used from <out>/_build/.jupyter_cache until their code changes); the graded exercise
-notebooks listed under `execute: exclude_patterns` are shown unexecuted. After Sphinx, every page is
-checked for <script src> / <link href> pointing off the machine, for the folders of the machine that built
+notebooks listed under `execute: exclude_patterns` are shown unexecuted, except those of
+EXECUTED_AROUND_ANSWERS (the debugging labs, whose symptoms are what a reader must see): an executed build
+works on a staged copy of the book's sources in which those notebooks are executed with their answer and test
+cells tagged `skip-execution` (the committed notebooks keep no such tag: nbgrader would skip them too). After
+Sphinx, every page is checked for <script src> / <link href> pointing off the machine, for the folders of the machine that built
 it and for stderr output boxes, every notebook page's outputs for those folders and temporary paths, and, in
 an executed build, every lesson notebook (one without graded cells) for outputs: a lesson page whose code
-cells show none fails the build (scripts/output_checks.py). The vendored MathJax must be there.
+cells show none fails the build, and so does a code cell of EXECUTED_AROUND_ANSWERS that is neither an answer,
+a test, the parameters nor the setup and shows nothing (scripts/output_checks.py). The vendored MathJax must be there.
 Exits non-zero if anything fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -34,6 +39,15 @@ MATHJAX_IN_OUTPUT = Path("_static") / "mathjax" / "tex-chtml.js"
 # --keep-going: report every warning, then fail; --all: re-read every page, so a warning in a page that
 # did not change since the last build is reported again instead of hidden by Sphinx's incremental build.
 JB_FLAGS = ["-W", "-n", "--keep-going", "--all"]
+# Graded notebooks the book shows executed around their answers: every cell but the answers and their tests runs.
+EXECUTED_AROUND_ANSWERS = (
+    "notebooks/session_c/06_debugging_lab.ipynb",
+    "notebooks/session_c/07_debugging_lab_silent.ipynb",
+)
+SKIP_TAG = "skip-execution"  # nbclient (and so jupyter-cache and myst-nb) runs no cell with this tag
+# Not copied into the staged sources: version control, environments, builds, caches.
+STAGE_SKIPPED_AT_ROOT = {".git", ".venv", "_build", ".pytest_cache", "workspace"}
+STAGE_SKIPPED_ANYWHERE = {"__pycache__", ".ipynb_checkpoints"}
 
 
 def toc_files(toc: dict) -> list[str]:
@@ -102,6 +116,47 @@ def config_without_execution(source_dir: Path, scratch: Path) -> Path:
     return path
 
 
+def is_answer_or_test(cell: dict) -> bool:
+    """An nbgrader answer cell (solution) or test cell (grade) of a student notebook."""
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    return bool(meta.get("solution") or meta.get("grade"))
+
+
+def stage_sources(source_dir: Path, staged: Path, out_dir: Path | None = None) -> Path:
+    """Copy the book's sources to `staged` for an executed build: the notebooks of EXECUTED_AROUND_ANSWERS leave
+    `execute: exclude_patterns` and their answer and test cells get the SKIP_TAG tag. Nothing in `source_dir` is
+    changed; a notebook of EXECUTED_AROUND_ANSWERS that the sources lack is skipped. Returns `staged`."""
+    source_dir = source_dir.resolve()
+    out_dir = out_dir.resolve() if out_dir is not None else None
+
+    def skipped(folder: str, names: list[str]) -> set[str]:
+        here = Path(folder).resolve()
+        found = {name for name in names if name in STAGE_SKIPPED_ANYWHERE}
+        if here == source_dir:
+            found |= {name for name in names if name in STAGE_SKIPPED_AT_ROOT}
+        return found | {name for name in names if out_dir is not None and here / name == out_dir}
+
+    shutil.copytree(source_dir, staged, ignore=skipped, symlinks=True)
+    config_path = staged / "_config.yml"
+    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    execute = config.setdefault("execute", {})
+    execute["exclude_patterns"] = [pattern for pattern in execute.get("exclude_patterns") or []
+                                   if pattern not in EXECUTED_AROUND_ANSWERS]
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    for name in EXECUTED_AROUND_ANSWERS:
+        path = staged / name
+        if not path.is_file():  # another book (--path) without the course's labs
+            continue
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        for cell in notebook["cells"]:
+            if cell["cell_type"] == "code" and is_answer_or_test(cell):
+                tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+                if SKIP_TAG not in tags:
+                    tags.append(SKIP_TAG)
+        path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return staged
+
+
 def jupyter_book_command() -> list[str]:
     """The jupyter-book of the interpreter running this script (the course .venv under `make book`)."""
     beside = Path(sys.executable).parent / "jupyter-book"
@@ -129,16 +184,23 @@ def build(source_dir: Path, out_dir: Path, execute: bool) -> int:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # keeps the kernel's debugger notice off stderr
 
-    with tempfile.TemporaryDirectory(prefix="book-config-") as scratch:
-        command = [*jupyter_book_command(), "build", str(source_dir), "--path-output", str(out_dir), *JB_FLAGS]
+    with tempfile.TemporaryDirectory(prefix="book-sources-") as scratch:
+        # An executed build runs the notebooks in a staged copy of the sources (see stage_sources).
+        book_dir = stage_sources(source_dir, Path(scratch) / "book", out_dir) if execute else source_dir
+        command = [*jupyter_book_command(), "build", str(book_dir), "--path-output", str(out_dir), *JB_FLAGS]
         if not execute:
             command += ["--config", str(config_without_execution(source_dir, Path(scratch)))]
         print("+", " ".join(command), flush=True)
-        status = subprocess.run(command, cwd=source_dir, env=env).returncode
-    if status != 0:
-        print(f"error: jupyter-book build failed (exit code {status}); the warnings above say why", file=sys.stderr)
-        return status
+        status = subprocess.run(command, cwd=book_dir, env=env).returncode
+        if status != 0:
+            print(f"error: jupyter-book build failed (exit code {status}); the warnings above say why",
+                  file=sys.stderr)
+            return status
+        return check_output(source_dir, book_dir, out_dir, execute)
 
+
+def check_output(source_dir: Path, book_dir: Path, out_dir: Path, execute: bool) -> int:
+    """Exit status of the checks of a finished build (0: the book is as a reader should see it)."""
     html_dir = out_dir / "_build" / "html"
     problems = []
     if not (html_dir / "index.html").is_file():
@@ -147,8 +209,10 @@ def build(source_dir: Path, out_dir: Path, execute: bool) -> int:
         problems.append(f"the vendored MathJax {html_dir / MATHJAX_IN_OUTPUT} is missing")
     for page, urls in remote_assets(html_dir).items():
         problems.append(f"{page} loads from the network: {', '.join(urls)}")
-    problems += html_problems(html_dir, machine_folders(source_dir))
-    problems += notebook_page_problems(html_dir, source_dir, machine_folders(source_dir), executed=execute)
+    folders = machine_folders(source_dir, book_dir)
+    problems += html_problems(html_dir, folders)
+    problems += notebook_page_problems(html_dir, book_dir, folders, executed=execute,
+                                       executed_around_answers=EXECUTED_AROUND_ANSWERS if execute else ())
     if problems:
         print("error: the book is not self-contained or not as a reader should see it:\n  " + "\n  ".join(problems),
               file=sys.stderr)

@@ -160,12 +160,16 @@ def is_graded(notebook_path: Path) -> bool:
     return any(cell.get("metadata", {}).get("nbgrader", {}).get("grade") for cell in cells)
 
 
-def notebook_page_problems(html_dir: Path, source_dir: Path, forbidden: list[str], executed: bool = True) -> list[str]:
+def notebook_page_problems(html_dir: Path, source_dir: Path, forbidden: list[str], executed: bool = True,
+                           executed_around_answers: tuple[str, ...] | list[str] = ()) -> list[str]:
     """One line per built notebook page that a reader should not see so: a lesson notebook (no grade cells) whose
-    code cells show no output at all (only when `executed`: the build ran the notebooks), and any output showing
-    a forbidden folder or a temporary path. Pages are matched to their notebooks by path:
+    code cells show no output at all (only when `executed`: the build ran the notebooks); a code cell of a notebook
+    of `executed_around_answers` (paths relative to `source_dir`: graded notebooks executed with their answers and
+    tests skipped) that shows nothing although it is neither an answer, a test, the parameters nor the setup; and
+    any output showing a forbidden folder or a temporary path. Pages are matched to their notebooks by path:
     <html_dir>/notebooks/x/y.html is <source_dir>/notebooks/x/y.ipynb."""
     html_dir, source_dir = Path(html_dir), Path(source_dir)
+    around = {Path(name).with_suffix("") for name in executed_around_answers}
     problems = []
     for page in sorted(html_dir.rglob("*.html")):
         if "_static" in page.parts or "_sources" in page.parts:
@@ -178,9 +182,31 @@ def notebook_page_problems(html_dir: Path, source_dir: Path, forbidden: list[str
         if executed and cells and not is_graded(notebook) and not any(cell.outputs for cell in cells):
             problems.append(f"{name}: a lesson notebook whose {len(cells)} code cells show no output (it was not "
                             "executed; graded notebooks are the ones listed under execute: exclude_patterns)")
+        if executed and name.with_suffix("") in around:
+            problems += [f"{name}: {problem}" for problem in silent_lesson_cells(notebook, cells)]
         for index, cell in enumerate(cells):
             text = "\n".join(cell.output_text)
             shown = [folder for folder in forbidden if folder in text] or temporary_paths(text)
             if shown:
                 problems.append(f"{name}: code cell {index} shows a folder of the machine: {shown[0]!r}")
     return problems
+
+
+def shows_something(cell: dict) -> bool:
+    """A code cell that is not an answer, a test, the parameters or the setup: one the reader should see run."""
+    meta = cell.get("metadata", {})
+    grading = meta.get("nbgrader", {})
+    return not (grading.get("solution") or grading.get("grade") or grading.get("grade_id") == "setup"
+                or "parameters" in meta.get("tags", []))
+
+
+def silent_lesson_cells(notebook_path: Path, cells: list) -> list[str]:
+    """Problems of a graded notebook executed around its answers: its page's code cells are not its code cells,
+    or one that should show something shows nothing."""
+    code = [cell for cell in json.loads(Path(notebook_path).read_text(encoding="utf-8"))["cells"]
+            if cell["cell_type"] == "code"]
+    if len(code) != len(cells):
+        return [f"the page shows {len(cells)} code cells, the notebook has {len(code)}"]
+    return [f"code cell {index} shows no output, although it is not an answer, a test, the parameters or the "
+            f"setup (was it executed?): {''.join(cell['source'])[:60]!r}"
+            for index, (cell, shown) in enumerate(zip(code, cells)) if shows_something(cell) and not shown.outputs]

@@ -8,7 +8,7 @@ Rules, for every graded student notebook in notebooks/ (one with nbgrader grade 
 * a markdown cell that names a numbered hint ("Hint 1", "hint 2") does so only as the summary of a folded block,
   each block exactly of the form `<details><summary>Hint N</summary>`, a blank line, the text, a blank line,
   `</details>`; the blocks of a cell are balanced, not nested, and numbered 1, 2, 3 ... in order;
-* every notebook of HINTED gives every exercise at least one such block. An exercise is a solution cell of
+* every graded notebook is in HINTED, and every notebook of HINTED gives every exercise at least one such block. An exercise is a solution cell of
   nbgrader; its hints sit in the markdown cells between the previous autograded test cell and that solution cell.
 """
 
@@ -26,9 +26,13 @@ RELEASED = sorted((REPO_ROOT / "notebooks").glob("*/*.ipynb"))
 # notebooks/<assignment>/<name>.ipynb whose every exercise has at least one folded hint.
 HINTED = (
     "session_a/02_model_from_scratch",
+    "session_b/02b_ddp_exercises",
+    "session_b/05_trainer_exercises",
     "session_c/02_cluster_exercises",
+    "session_c/03b_job_exercises",
     "session_c/06_debugging_lab",
     "session_c/07_debugging_lab_silent",
+    "session_d/02b_zero_exercises",
     "session_d/04_sharding_exercises",
     "session_e/02b_model_parallel_exercises",
     "session_e/03b_3d_exercises",
@@ -117,6 +121,10 @@ def test_numbered_hints_are_folded(path):
     problems = [f"cell {cell.get('id')}: {problem}" for cell in nb.cells if cell.cell_type == "markdown"
                 for problem in hint_problems(cell.source)]
     assert not problems, f"{ident(path)}:\n" + "\n".join(problems)
+
+
+def test_every_graded_notebook_is_hinted():
+    assert sorted(map(ident, GRADED)) == sorted(HINTED), "HINTED must list exactly the graded notebooks"
 
 
 @pytest.mark.parametrize("name", HINTED)

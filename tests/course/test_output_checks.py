@@ -9,11 +9,13 @@ import build_book  # scripts/ is on sys.path
 import nbformat
 import pytest
 import torch
+import yaml
 from output_checks import (  # scripts/ is on sys.path
     html_problems,
     machine_folders,
     notebook_page_problems,
     output_problems,
+    page_cells,
     temporary_paths,
 )
 
@@ -162,8 +164,9 @@ sphinx:
 MINI_TOC = "format: jb-book\nroot: intro\nchapters:\n  - file: notebooks/s/lesson\n  - file: notebooks/s/exercises\n"
 
 
-def mini_book(root: Path, graded: bool) -> Path:
-    """A two-notebook book: `lesson` executed, `exercises` excluded from execution (graded or not, as asked)."""
+def mini_book(root: Path, exercises: str) -> Path:
+    """A two-notebook book: `lesson` executed, `exercises` excluded from execution; `exercises` is "lesson" (no
+    grade cells) or "graded" (a printing cell, an answer that raises until written, and its failing test)."""
     (root / "_static" / "mathjax").mkdir(parents=True)
     (root / "_static" / "mathjax" / "tex-chtml.js").write_text("// stands in for the vendored MathJax\n")
     (root / "notebooks" / "s").mkdir(parents=True)
@@ -174,21 +177,71 @@ def mini_book(root: Path, graded: bool) -> Path:
         nb = nbformat.v4.new_notebook()
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         nb.cells = [nbformat.v4.new_markdown_cell(f"# {name}"), nbformat.v4.new_code_cell("print(6 * 7)")]
-        if graded and name == "exercises":
-            nb.cells[1].metadata["nbgrader"] = {"grade": True, "grade_id": "ex1_tests", "points": 1, "locked": True,
-                                                "solution": False, "schema_version": 3}
+        if exercises == "graded" and name == "exercises":
+            grading = {"locked": False, "points": 0, "schema_version": 3, "grade": False, "solution": True}
+            nb.cells += [
+                nbformat.v4.new_code_cell('raise NotImplementedError("write answer")',
+                                          metadata={"nbgrader": {**grading, "grade_id": "ex1"}}),
+                nbformat.v4.new_code_cell("assert answer == 42", metadata={"nbgrader": {
+                    **grading, "grade_id": "ex1_tests", "grade": True, "solution": False, "points": 1, "locked": True}}),
+            ]
         nbformat.write(nb, root / "notebooks" / "s" / f"{name}.ipynb")
     return root
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("graded", [False, True], ids=["lesson left unexecuted", "graded notebook left unexecuted"])
-def test_an_executed_build_fails_when_a_lesson_shows_no_outputs(tmp_path, capsys, graded):
-    source = mini_book(tmp_path / "book", graded)
+def test_an_executed_build_fails_when_a_lesson_shows_no_outputs(tmp_path, capsys):
+    source = mini_book(tmp_path / "book", exercises="lesson")
     status = build_book.build(source, tmp_path / "out", execute=True)
     err = capsys.readouterr().err
-    if graded:
-        assert status == 0, err
-    else:
-        assert status == 1 and "notebooks/s/exercises.html: a lesson notebook whose 1 code cells show no output" in err
-        assert "notebooks/s/lesson.html" not in err, "the executed lesson shows its output"
+    assert status == 1 and "notebooks/s/exercises.html: a lesson notebook whose 1 code cells show no output" in err
+    assert "notebooks/s/lesson.html" not in err, "the executed lesson shows its output"
+
+
+@pytest.mark.slow
+def test_an_executed_build_runs_a_graded_notebook_around_its_answers(tmp_path, capsys, monkeypatch):
+    source = mini_book(tmp_path / "book", exercises="graded")
+    committed = (source / "notebooks" / "s" / "exercises.ipynb").read_bytes()
+    monkeypatch.setattr(build_book, "EXECUTED_AROUND_ANSWERS", ("notebooks/s/exercises.ipynb",))
+    status = build_book.build(source, tmp_path / "out", execute=True)
+    assert status == 0, capsys.readouterr().err
+    page = tmp_path / "out" / "_build" / "html" / "notebooks" / "s" / "exercises.html"
+    cells = page_cells(page.read_text(encoding="utf-8"))
+    assert [cell.outputs for cell in cells] == [1, 0, 0], "the printing cell ran; the answer and its test did not"
+    assert "42" in cells[0].output_text[0]
+    assert (source / "notebooks" / "s" / "exercises.ipynb").read_bytes() == committed, (
+        "the notebook in the sources is unchanged: only the staged copy is tagged skip-execution")
+
+
+def test_a_graded_notebook_run_around_its_answers_shows_every_other_cell(tmp_path):
+    html_dir, source_dir = book(tmp_path, {"lab": ([cell_html(), cell_html()], True)})
+    around = ("notebooks/s/lab.ipynb",)
+    problems = notebook_page_problems(html_dir, source_dir, machine_folders(), executed_around_answers=around)
+    assert len(problems) == 1 and problems[0].startswith("notebooks/s/lab.html: code cell 0 shows no output"), problems
+    (html_dir / "notebooks" / "s" / "lab.html").write_text(cell_html("0") + cell_html())  # the test cell: not run
+    assert notebook_page_problems(html_dir, source_dir, machine_folders(), executed_around_answers=around) == []
+    (html_dir / "notebooks" / "s" / "lab.html").write_text(cell_html("0"))
+    problems = notebook_page_problems(html_dir, source_dir, machine_folders(), executed_around_answers=around)
+    assert problems == ["notebooks/s/lab.html: the page shows 1 code cells, the notebook has 2"], problems
+    assert notebook_page_problems(html_dir, source_dir, machine_folders(), executed=False,
+                                  executed_around_answers=around) == []
+
+
+def test_staged_sources_tag_the_answers_of_the_labs_and_leave_the_repository_alone(tmp_path):
+    root = Path(build_book.__file__).resolve().parents[1]
+    before = {name: (root / name).read_bytes() for name in build_book.EXECUTED_AROUND_ANSWERS}
+    staged = build_book.stage_sources(root, tmp_path / "staged")
+    assert not (staged / ".git").exists() and not (staged / ".venv").exists()
+    assert (staged / "_toc.yml").read_bytes() == (root / "_toc.yml").read_bytes()
+    excluded = yaml.safe_load((staged / "_config.yml").read_text())["execute"]["exclude_patterns"]
+    committed = yaml.safe_load((root / "_config.yml").read_text())["execute"]["exclude_patterns"]
+    assert set(build_book.EXECUTED_AROUND_ANSWERS) <= set(committed), "the labs are excluded in the committed config"
+    assert sorted(excluded) == sorted(set(committed) - set(build_book.EXECUTED_AROUND_ANSWERS))
+    for name in build_book.EXECUTED_AROUND_ANSWERS:
+        assert (root / name).read_bytes() == before[name]
+        cells = [cell for cell in nbformat.read(staged / name, as_version=4).cells if cell.cell_type == "code"]
+        tagged = [build_book.SKIP_TAG in cell.metadata.get("tags", []) for cell in cells]
+        assert tagged == [build_book.is_answer_or_test(cell) for cell in cells], name
+        assert sum(tagged) >= 10 and not all(tagged), name
+        assert not any(build_book.SKIP_TAG in cell.metadata.get("tags", [])
+                       for cell in nbformat.read(root / name, as_version=4).cells), f"{name} is committed untagged"

@@ -51,14 +51,24 @@ def repo_root(start: str | Path | None = None) -> Path:
     return here
 
 
+def _repositories() -> set[Path]:
+    """The repository of this course_lib, and the one the notebook runs in when that is another copy (the book's
+    build runs the notebooks in a staged copy of the repository)."""
+    found = {repo_root(Path(__file__).resolve().parents[1])}
+    here = repo_root()
+    if (here / "config" / "config.json").is_file():
+        found.add(here)
+    return found
+
+
 def _machine_prefixes() -> list[tuple[str, str]]:
     """(folder + "/", what a reader sees instead): installed code first (a virtual environment may live inside
-    the repository), the most specific folder first, then the repository and the home folder."""
+    the repository), the most specific folder first, then the repositories and the home folder."""
     libraries = {Path(p) for p in (*site.getsitepackages(), site.getusersitepackages(),
                                    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"]) if p}
     prefixes = [(f"{folder}/", "site-packages/" if "packages" in folder.name else "python/")
                 for folder in sorted(libraries, key=lambda p: len(str(p)), reverse=True)]
-    prefixes.append((f"{repo_root(Path(__file__).resolve().parents[1])}/", ""))
+    prefixes += [(f"{folder}/", "") for folder in sorted(_repositories(), key=lambda p: len(str(p)), reverse=True)]
     if Path.home() != Path("/"):
         prefixes.append((f"{Path.home()}/", "~/"))
     return prefixes
@@ -78,7 +88,7 @@ def shown(path: str | Path) -> str:
         resolved = Path(path).resolve()
     except OSError:
         return str(path)
-    if resolved == repo_root(Path(__file__).resolve().parents[1]):
+    if resolved in _repositories():
         return "."
     return relative_paths(str(resolved))
 

@@ -42,3 +42,21 @@ def test_a_prediction_is_printed_then_revealed_against_the_measurement(capsys):
     assert "you predicted 'higher': right" in capsys.readouterr().out
     with pytest.raises(ValueError, match="predict one of 'lower', 'higher', got 'maybe'"):
         predict("deeper: loss lower or higher?", "maybe", choices=("lower", "higher"))
+
+
+def test_paths_are_shown_relative_to_the_repository_the_notebook_runs_in(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from course_lib.nbtools import relative_paths, repo_root, shown
+
+    own = repo_root(Path(__file__).parent)
+    assert shown(own / "runs" / "x") == "runs/x" and shown(own) == "."
+    copy = tmp_path / "copy"  # another copy of the repository, as the book's build stages one
+    (copy / "config").mkdir(parents=True)
+    (copy / "config" / "config.json").write_text("{}")
+    (copy / "notebooks").mkdir()
+    monkeypatch.chdir(copy / "notebooks")
+    assert shown(copy / "runs" / "job" / "run_1") == "runs/job/run_1" and shown(copy) == "."
+    assert relative_paths(f"see {copy}/runs/job/run_1/train.log") == "see runs/job/run_1/train.log"
+    monkeypatch.chdir(tmp_path)  # not in a repository: its folders are shown as they are
+    assert shown(copy / "runs") == str(copy / "runs")

@@ -75,6 +75,13 @@ def run_nbgrader(course_root: Path, *args: str) -> str:
     return output
 
 
+def each_assignment(root: Path, ids: list[str]) -> list[str]:
+    """The assignment arguments of nbgrader commands over `ids`: ["*"] when they are every assignment of the
+    course at root (one nbgrader process for all, instead of one start-up of several seconds per assignment),
+    else the ids themselves."""
+    return ["*"] if len(ids) > 1 and sorted(ids) == assignments(root) else list(ids)
+
+
 def assignments(root: Path = REPO_ROOT) -> list[str]:
     """Assignment ids: the folders of solutions/ that hold at least one notebook."""
     source = Path(root) / SOURCE_DIR
@@ -134,7 +141,7 @@ def build_release(root: Path, dest: Path) -> list[Path]:
         raise FileNotFoundError(f"no assignment folders with notebooks under {root / SOURCE_DIR}")
     with tempfile.TemporaryDirectory(prefix="release-") as scratch:
         course = stage_course(root, Path(scratch) / "course", ids)
-        for assignment in ids:
+        for assignment in each_assignment(course, ids):
             run_nbgrader(course, "generate_assignment", assignment, "--force")
         generated = course / RELEASE_DIR
         for notebook in generated.rglob("*.ipynb"):
@@ -258,9 +265,9 @@ def autograde(root: Path = REPO_ROOT, assignment: str | None = None, student: st
             raise FileNotFoundError(f"submissions for assignment {a!r} but no {SOURCE_DIR}/{a}/ to grade them against")
     student_args = [f"--student={student}"] if student else []
     with tempfile.TemporaryDirectory(prefix="gradebook-release-") as scratch:
-        for a in ids:
+        for a in each_assignment(root, ids):
             run_nbgrader(root, "generate_assignment", a, "--force", f"--CourseDirectory.release_directory={scratch}")
-    for a in ids:
+    for a in each_assignment(root, ids):
         run_nbgrader(root, "autograde", a, "--force", *student_args)
         if feedback:
             run_nbgrader(root, "generate_feedback", a, "--force", *student_args)

@@ -226,8 +226,19 @@ class _Sandbox:
             time.sleep(0.02)
 
 
+def warm_up() -> None:
+    """Import, once in the sandbox, what nearly every check would import on its own after the fork: torch, and
+    torch._dynamo, which torch imports at the first optimizer a process builds (about a second each time, in
+    every check and in every rank a check forks)."""
+    import torch
+    import torch._dynamo  # noqa: F401
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 def main() -> int:
     job = json.loads(sys.stdin.read())
+    warm_up()
     report_fd = os.dup(1)  # results go here; the cells' own prints go to a log nobody reads
     with tempfile.TemporaryDirectory(prefix="sandbox-") as folder:
         log = os.open(Path(folder) / "setup.log", os.O_WRONLY | os.O_CREAT, 0o600)

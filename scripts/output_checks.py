@@ -47,8 +47,18 @@ def temporary_paths(text: str, allowed: list[str] | tuple[str, ...] = ()) -> lis
     for folder in sorted((str(a) for a in allowed), key=len, reverse=True):
         text = text.replace(folder, "<allowed>")
     temp = re.escape(tempfile.gettempdir().rstrip("/"))
-    pattern = re.compile(rf"{temp}/{_PATH_CHARS}+|{_PATH_CHARS}*{SPAWN_FOLDER_PREFIX}{_PATH_CHARS}*")
-    return pattern.findall(text)
+    # The path around a spawn folder's name is found by anchoring on the name (a leading `[^...]*` would try
+    # every start of a long run of path characters again: quadratic time).
+    pattern = re.compile(rf"{temp}/{_PATH_CHARS}+|{SPAWN_FOLDER_PREFIX}")
+    before, after = re.compile(rf"{_PATH_CHARS}*$"), re.compile(rf"{_PATH_CHARS}*")
+    found = []
+    for match in pattern.finditer(text):
+        if match.group() != SPAWN_FOLDER_PREFIX:
+            found.append(match.group())
+            continue
+        start = match.start() - len(before.search(text[max(0, match.start() - 4096):match.start()]).group())
+        found.append(text[start:after.match(text, match.end()).end()])
+    return found
 
 
 def _output_text(output: dict) -> str:
@@ -56,7 +66,9 @@ def _output_text(output: dict) -> str:
         return output.get("text", "")
     if output.get("output_type") == "error":
         return "\n".join(output.get("traceback", []))
-    return json.dumps(output.get("data", {}))
+    # What a reader sees as text: images (base64) hold no path, and scanning them is slow.
+    return json.dumps({kind: value for kind, value in output.get("data", {}).items()
+                       if kind.startswith("text/") or kind.endswith("json")})
 
 
 def output_problems(nb, forbidden: list[str], allowed: list[str] | tuple[str, ...] = ()) -> list[str]:

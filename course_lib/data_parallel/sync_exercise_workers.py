@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data_parallel.scratch import assign_buckets
+from course_lib.runtime.collective_gate import COLLECTIVES, process_group_calls
 from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 
 FROZEN = ("blocks.0.attn.q_proj.weight", "norm_f.weight")
@@ -134,58 +135,38 @@ def rank_tensor(rank: int, shape: tuple[int, ...], seed: int = 0, dtype=torch.fl
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
 
+RING_REFUSAL = "build the ring from dist.isend / dist.recv: collectives such as dist.all_reduce are what you are writing"
 RING_SHAPES = ((12,), (6, 5), (1,), (7,), (4099,))
 """Even sizes first (the visible tests), then uneven chunks and a single element (the hidden ones)."""
 
 
 def check_ring_all_reduce(ring_fn, *, shapes=RING_SHAPES, seed: int = 0) -> dict:
-    """Worker: ring_fn(tensor) on each shape, with the collectives disabled; what it returned and what it sent.
+    """Worker: ring_fn(tensor) on each shape, with the collectives refused; what it returned and what it sent.
 
-    dist.all_reduce, reduce_scatter, all_gather, broadcast and reduce raise (the ring must be built from
-    point-to-point messages); isend/send are counted, in elements. Returns per shape: the result, the
-    expected sum (computed from every rank's tensor), whether the input tensor itself holds the sum, and
-    the elements this rank sent.
+    Every collective of the process group (all-reduce, reduce-scatter, all-gather, broadcast, reduce, all-to-all,
+    by whatever function it is reached: course_lib.runtime.collective_gate) raises: the ring must be built from
+    point-to-point messages, which are counted where they leave, in elements. Returns per shape: the result,
+    the expected sum (computed from every rank's tensor), whether the input tensor itself holds the sum, and the
+    elements and messages this rank sent.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    sent = {"elements": 0, "messages": 0}
-    real_isend, real_send = dist.isend, dist.send
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("build the ring from dist.isend / dist.recv: collectives such as dist.all_reduce "
-                           "are what you are writing")
-
-    def counting(real):
-        def send(tensor, *args, **kwargs):
-            sent["elements"] += tensor.numel()
-            sent["messages"] += 1
-            return real(tensor, *args, **kwargs)
-        return send
-
-    patches = [mock.patch.object(dist, name, refuse) for name in
-               ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather",
-                "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce", "all_to_all")
-               if hasattr(dist, name)]  # the *_single names: torch 2.13
-    patches += [mock.patch.object(dist, "isend", counting(real_isend)), mock.patch.object(dist, "send", counting(real_send))]
     results = {"rank": rank, "world_size": world_size, "cases": []}
     for shape in shapes:
         tensor = rank_tensor(rank, shape, seed)
         expected = sum(rank_tensor(r, shape, seed) for r in range(world_size))
-        before = dict(sent)
-        for patch in patches:
-            patch.start()
+        calls = []
         try:
-            returned = ring_fn(tensor)
+            with process_group_calls(refused=COLLECTIVES, reason=RING_REFUSAL) as calls:
+                returned = ring_fn(tensor)
             error = None
         except Exception as err:  # noqa: BLE001 (reported to the test cell)
             returned, error = None, f"{type(err).__name__}: {err}"
-        finally:
-            for patch in patches:
-                patch.stop()
+        sends = [call for call in calls if call.kind == "send"]
         results["cases"].append({
             "shape": shape, "error": error, "expected": expected,
             "returned": returned.detach().clone() if isinstance(returned, torch.Tensor) else returned,
             "in_place": tensor.detach().clone(), "returned_is_input": returned is tensor,
-            "sent_elements": sent["elements"] - before["elements"], "messages": sent["messages"] - before["messages"]})
+            "sent_elements": sum(call.elements for call in sends), "messages": len(sends)})
         if error:
             break  # the ranks may be out of step now: stop before a mismatched exchange hangs
     return results

@@ -163,11 +163,14 @@ class _Auditor(ast.NodeVisitor):
         self.violations: list[Violation] = []
         self.function_stack: list[ast.AST] = []
         self.aliases: set[str] = set()  # names bound to a module or setup object (t = torch.testing)
+        self.own_setattr: set[int] = set()  # setattr names of calls visit_Call checked
 
     def check_declared(self, node: ast.AST) -> bool:
         """Refuse a use of a name the test cell declared off limits; True if refused."""
         name = dotted(node)
         last = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if isinstance(node, ast.Name) and node.id not in self.context and node.id not in self.aliases:
+            last = None  # the answer's own variable, whatever its name; an imported name is checked at its import
         for refused in self.declared:
             if (name and (name == refused or name.startswith(refused + "."))) or last == refused.split(".")[-1]:
                 self.refuse(node, f"`{name or last}` is what the tests compare your answer with; write the answer "
@@ -181,9 +184,31 @@ class _Auditor(ast.NodeVisitor):
     def allowed_by_reference(self, key: str) -> bool:
         return key in self.reference
 
+    # --- calls
+    def visit_Call(self, node: ast.Call) -> None:
+        """`setattr(obj, name, value)` is module surgery on the answer's own objects (swapping a layer): allowed
+        where `obj` is not a module, a setup object or a builtin, which writing `obj.attr = value` would change."""
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "setattr" and func.id not in self.context and node.args:
+            self.own_setattr.add(id(func))
+            target = node.args[0]
+            if isinstance(target, ast.Starred) or len(node.args) < 2:
+                self.refuse(node, "`setattr` with unpacked arguments: write `setattr(obj, name, value)`")
+            else:
+                probe = ast.Attribute(value=target, attr="_", ctx=ast.Store(), lineno=node.lineno)
+                before = len(self.violations)
+                self.check_target(probe, top_level=not self.function_stack)
+                for violation in self.violations[before:]:  # say setattr, not the probe's attribute
+                    self.violations[self.violations.index(violation)] = Violation(
+                        violation.line, f"`{ast.unparse(node)}` changes `{ast.unparse(target)}`, which the tests "
+                                        "use; an answer may change only its own objects")
+        self.generic_visit(node)
+
     # --- names the answer reads
     def visit_Name(self, node: ast.Name) -> None:
-        if isinstance(node.ctx, ast.Load):
+        if isinstance(node.ctx, ast.Load) and id(node) in self.own_setattr:
+            pass
+        elif isinstance(node.ctx, ast.Load):
             if self.check_declared(node):
                 pass
             elif node.id in NAMES_REFUSED:
@@ -302,6 +327,7 @@ class _Auditor(ast.NodeVisitor):
                                   f"modules, torch and numpy ({', '.join(sorted(ALLOWED_MODULES - {'os.path'}))})")
             self.check_target(ast.Name(id=(alias.asname or alias.name).split(".")[0], ctx=ast.Store(),
                                        lineno=node.lineno), top_level=not self.function_stack)
+            self.aliases.add((alias.asname or alias.name).split(".")[0])  # `import torch as t`: t is torch
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         module = node.module or ""
@@ -309,11 +335,14 @@ class _Auditor(ast.NodeVisitor):
             self.refuse(node, f"`from {module} import ...`: an answer may import only the standard library's plain "
                               "modules, torch and numpy")
         for alias in node.names:
+            self.check_declared(ast.Attribute(value=ast.Name(id=module or "_", ctx=ast.Load()), attr=alias.name,
+                                              ctx=ast.Load(), lineno=node.lineno))
             if alias.name in self.required and not self.allowed_by_reference(f"importname:{alias.name}"):
                 self.refuse(node, f"`from {module} import {alias.name}` imports the implementation you are asked "
                                   "to write")
             self.check_target(ast.Name(id=alias.asname or alias.name, ctx=ast.Store(), lineno=node.lineno),
                               top_level=not self.function_stack)
+            self.aliases.add(alias.asname or alias.name)  # a module, or an object of one: not the answer's own
 
     # --- definitions
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from course_lib.grading.audit import audit
 from course_lib.grading.exercises import read_exercises
+from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot
 
 DEFAULT_TIMEOUT_S = 150.0
 OUTPUT_LIMIT = 20_000  # characters of a check's output kept (the end, where the failure is)
@@ -194,10 +195,16 @@ class _Sandbox:
                 os.dup2(handle, fd)
                 os.close(handle)
             namespace = self.main.__dict__
+            # What the checks judge with, before the answer runs: verified after the answer and after the tests,
+            # and by every rank the tests launch (GRADING_VARIABLE).
+            snapshot = Snapshot.take(namespace, [name for name in namespace if not name.startswith("__")])
+            os.environ[GRADING_VARIABLE] = "1"
             for cell, answer, _ in check["answers"]:
                 exec(compile(answer, self.source_file(answer, f"answer_{cell}"), "exec"), namespace)
+            snapshot.verify("after your answer ran")
             exec(compile(check["test_code"], self.source_file(check["test_code"], check["test_id"]), "exec"),
                  namespace)
+            snapshot.verify("after the tests ran", names=False)
             code = 0
         except BaseException:  # noqa: BLE001 - every failure, SystemExit included, is a failed check
             traceback.print_exc()

@@ -42,6 +42,7 @@ from course_lib.core.checks import positive_int
 from course_lib.nbtools import relative_paths
 from course_lib.runtime.device_guard import guard_collectives
 from course_lib.runtime.env import DEFAULT_TIMEOUT_S, get_dist_info, init_distributed, setup_rank_logging
+from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot
 
 STOP_GRACE_S = 1.0  # time the other ranks get to report their own errors before they are killed
 
@@ -126,8 +127,11 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
             _skip_ddp_construction_log()
         phase = "worker"
         guard = os.environ.get(DEVICE_GUARD_VARIABLE) == "1"
+        graded = Snapshot.take() if os.environ.get(GRADING_VARIABLE) == "1" else None  # see runtime/integrity.py
         with guard_collectives(get_dist_info().device) if guard else nullcontext():
             result = worker(*args, **kwargs)
+        if graded is not None:
+            graded.verify(f"on rank {rank}, after the worker ran")
         phase = "result"
         payload = pickle.dumps(result)
     except BaseException as exc:  # report, then leave at once: peers may be stuck in a collective with us

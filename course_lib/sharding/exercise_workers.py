@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.runtime.collective_gate import process_group_calls
 from course_lib.testing import global_batches, local_rows, seeded_gpt
 
 REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
@@ -31,6 +32,26 @@ def _in_backward() -> bool:
 
 def zero_model(seed: int = 0):
     return seeded_gpt(seed, "tiny", **ZERO_PRESET)
+
+
+ALL_REDUCE_REFUSAL = ("ZeRO replaces DDP's all-reduce by a reduce-scatter of the gradients and an all-gather of the "
+                      "parameters: do not call dist.all_reduce")
+
+
+class _GatePatch:
+    """course_lib.runtime.collective_gate.process_group_calls, started and stopped like a mock patch."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self._context = kwargs, [], None
+
+    def start(self):
+        self._context = process_group_calls(**self.kwargs)
+        self.calls = self._context.__enter__()
+
+    def stop(self):
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
 
 
 class _Recorder:
@@ -52,8 +73,7 @@ class _Recorder:
             return collective
 
         def refuse(*args, **kwargs):
-            raise RuntimeError("ZeRO replaces DDP's all-reduce by a reduce-scatter of the gradients and an all-gather "
-                               "of the parameters: do not call dist.all_reduce")
+            raise RuntimeError(ALL_REDUCE_REFUSAL)
 
         recorder, real_sgd = self, torch.optim.SGD
 
@@ -62,8 +82,22 @@ class _Recorder:
                 super().__init__(*args, **kwargs)
                 recorder.optimizers.append(self)
 
+        self.gate = _GatePatch(refused=("allreduce",), reason=ALL_REDUCE_REFUSAL)  # by whatever road it is reached
         return ([mock.patch.object(dist, name, wrap(name)) for name in real]
-                + [mock.patch.object(dist, "all_reduce", refuse), mock.patch.object(torch.optim, "SGD", RecordingSGD)])
+                + [mock.patch.object(dist, "all_reduce", refuse), mock.patch.object(torch.optim, "SGD", RecordingSGD),
+                   self.gate])
+
+    def unrecorded(self) -> str | None:
+        """Why the recorded calls are not all that went over the network, or None: an all-gather or
+        reduce-scatter that reached the process group by another road than dist's functions is not counted."""
+        seen = [call for call in self.gate.calls if call.kind in ("allgather", "reduce_scatter")]
+        if len(seen) > len(self.calls):
+            names = sorted({call.name for call in seen})
+            return (f"RuntimeError: {len(seen) - len(self.calls)} all-gathers or reduce-scatters ran without "
+                    f"dist.{', dist.'.join(REDUCE_SCATTERS[:1] + ALL_GATHERS[:1])} or the other names of "
+                    f"torch.distributed (they reached {', '.join(names)}): call torch.distributed's functions, so "
+                    "that the check can count them")
+        return None
 
     def momentum_numel(self) -> int:
         return sum(state["momentum_buffer"].numel() for opt in self.optimizers for state in opt.state.values()
@@ -102,6 +136,7 @@ def check_zero(zero_fn, *, stage: int, steps: int = 3, lr: float = 0.1, momentum
     finally:
         for patch in patches:
             patch.stop()
+    error = error or recorder.unrecorded()
     return {"rank": rank, "world_size": world_size, "stage": stage, "error": error, "steps": records,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "momentum_numel": recorder.momentum_numel(), "n_params": sum(p.numel() for p in model.parameters())}
@@ -161,6 +196,7 @@ def check_zero3_forward(shard_fn, *, seed: int = 0, passes: int = 2) -> dict:
     finally:
         for patch in patches:
             patch.stop()
+    result["error"] = result["error"] or recorder.unrecorded()
     result["calls"] = recorder.calls
     result["full_numel"] = sum(p.numel() for p in full.parameters())
     result["layer_numels"] = [[p.numel() for p in m.parameters()] for m in full if isinstance(m, nn.Linear)]

@@ -49,13 +49,37 @@ SCRATCH_COURSES = 2  # graded side by side
 WrongAnswers = dict[str, tuple[str, str, list[tuple[str, str]]]]
 """name -> (solution cell, test cell that must lose its points, [(text of the solution, wrong text), ...])."""
 
-CHEAT_KINDS = ("delegation", "changing the checks", "changing the kernel", "lying objects")
+CHEAT_KINDS = ("delegation", "changing the checks", "changing the kernel", "lying objects", "patching through an alias",
+               "code loaded at run time")
+REFUSED_KINDS = ("delegation", "changing the checks", "changing the kernel", "lying objects", "patching through an alias")
+"""Refused by the audit before they run; code loaded at run time passes it and fails the integrity snapshot."""
 MIN_WRONG_ANSWERS = 3
 
 CHECKS_CHEAT = {  # setup name -> the line that disarms what the tests use from it
     "torch": "torch.testing.assert_close = lambda *args, **kwargs: None",
     "math": "math.isclose = lambda *args, **kwargs: True",
 }
+ALIAS_CHEAT = """
+
+import math as _math
+import torch as _torch
+
+_torch.testing.assert_close = lambda *args, **kwargs: None
+_math.isclose = lambda *args, **kwargs: True
+"""
+RUNTIME_CHEAT = '''
+
+import os as _os
+import tempfile as _tempfile
+
+import torch as _torch
+
+_folder = _tempfile.mkdtemp()
+with open(_os.path.join(_folder, "hubconf.py"), "w") as _file:
+    _file.write("import math\\nimport torch\\n\\ntorch.testing.assert_close = lambda *args, **kwargs: None\\n"
+                "math.isclose = lambda *args, **kwargs: True\\n\\n\\ndef entry():\\n    return 0\\n")
+_torch.hub.load(_folder, "entry", source="local")
+'''
 KERNEL_CHEAT = """
 
 import ast as _ast
@@ -91,6 +115,8 @@ class GradedNotebook:
     wrong_answers: WrongAnswers
     delegations: dict[str, str] = field(default_factory=dict)
     alternatives: dict[str, str] = field(default_factory=dict)
+    more_delegations: dict[str, list[str]] = field(default_factory=dict)   # delegations the audit must know by name
+    more_alternatives: dict[str, list[str]] = field(default_factory=dict)  # idioms a right answer may use
 
     @property
     def source(self) -> Path:
@@ -464,6 +490,43 @@ def load_checkpoint(path, model, optimizer):
     optimizer.load_state_dict(state["optimizer"])
     return state["step"]
 """,
+}, more_delegations={
+    "dp1_average_gradients": ["""\
+def data_parallel_backward(model, idx):
+    from torch.nn.parallel import DistributedDataParallel
+
+    replica = DistributedDataParallel(model)
+    _, loss = replica(idx, targets=idx)
+    loss.backward()
+    return loss.detach()
+"""],
+    "amp1_scaled_step": ["""\
+def scaled_step(optimizer, state):
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    found_inf, scale = torch.zeros(1), torch.full((1,), float(state["scale"]))
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.reciprocal())
+    tracker = torch.full((1,), state["growth_tracker"], dtype=torch.int32)
+    torch._amp_update_scale_(scale, tracker, found_inf, state["growth_factor"], state["backoff_factor"],
+                             state["growth_interval"])
+    stepped = not bool(found_inf.item())
+    if stepped:
+        optimizer.step()
+    state["scale"], state["growth_tracker"] = scale.item(), int(tracker.item())
+    return stepped
+"""],
+}, more_alternatives={
+    "dp1_average_gradients": ["""\
+def data_parallel_backward(model, idx):
+    _, loss = model(idx, targets=idx)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    packed = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for every gradient, as DDP's buckets do
+    dist.all_reduce(packed)
+    packed /= dist.get_world_size()
+    for grad, part in zip(grads, packed.split([g.numel() for g in grads])):
+        grad.copy_(part.view_as(grad))
+    return loss.detach()
+"""],
 })
 
 # DDP exercises 1-3 (session B, notebook 02b): every test starts 3 ranks (exercise 3 also 2).
@@ -523,6 +586,18 @@ DDP_EXERCISES = GradedNotebook("session_b", "02b_ddp_exercises", {
         total += incoming
         passing = incoming
     flat.copy_(total)
+    return tensor
+    chunks = list(torch.tensor_split(tensor.view(-1), world_size))  # views into tensor
+""")]),
+    "ring_sum_by_another_name_and_messages_for_show": ("ddp3_ring", "ddp3_ring_tests", [
+        ("""    chunks = list(torch.tensor_split(tensor.view(-1), world_size))  # views into tensor
+""", """    from torch.distributed import distributed_c10d
+
+    distributed_c10d.all_reduce(tensor)  # dist.all_reduce by another name
+    for step in range(2 * (world_size - 1)):  # and the ring's 2(n - 1) messages, sent for show
+        request = dist.isend(tensor.view(-1)[:1].clone(), dst=right)
+        dist.recv(torch.empty(1), src=left)
+        request.wait()
     return tensor
     chunks = list(torch.tensor_split(tensor.view(-1), world_size))  # views into tensor
 """)]),
@@ -1474,6 +1549,22 @@ def one_f_one_b(n_stages, stage, micro_batches):
             next_backward += 1
     return schedule
 """,
+}, more_alternatives={
+    "mp2_block": ["""\
+def parallelize_block(block, f, g):
+    size, rank = dist.get_world_size(), dist.get_rank()
+    for parent, names, dim in ((block.attn, ("q_proj", "k_proj", "v_proj"), 0), (block.attn, ("o_proj",), 1),
+                               (block.mlp, ("gate_proj", "up_proj"), 0), (block.mlp, ("down_proj",), 1)):
+        for name in names:  # swap each linear layer for its shard: module surgery as torchtitan does it
+            weight = getattr(parent, name).weight.detach().chunk(size, dim=dim)[rank].clone()
+            shard = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            with torch.no_grad():
+                shard.weight.copy_(weight)
+            setattr(parent, name, shard)
+    for region, last in ((block.attn, block.attn.o_proj), (block.mlp, block.mlp.down_proj)):
+        region.register_forward_pre_hook(lambda module, args: (f(args[0]), *args[1:]))
+        last.register_forward_hook(lambda module, args, output: g(output))
+"""],
 })
 
 # One pure-Python exercise; the lesson (03_3d_parallelism) uses course_lib.hybrid.layout, so only its points are at stake.
@@ -1564,6 +1655,11 @@ def merge_lora_linear(layer):
         merged.bias.data = base.bias.detach().clone()
     return merged
 """,
+}, more_delegations={
+    "ex17_lora_merge": ["""\
+def merge_lora_linear(layer):
+    return layer.merge()
+"""],
 })
 
 GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, DEBUGGING_LAB, DEBUGGING_LAB_SILENT, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
@@ -1657,8 +1753,23 @@ def mutants(notebook: GradedNotebook) -> dict[str, tuple[str, str, str]]:
         found[f"{cell}:changing the checks"] = ("changing the checks", cell, changing_the_checks(notebook, wrong))
         found[f"{cell}:changing the kernel"] = ("changing the kernel", cell, wrong + KERNEL_CHEAT)
         found[f"{cell}:lying objects"] = ("lying objects", cell, lying(wrong))
+        found[f"{cell}:patching through an alias"] = ("patching through an alias", cell, wrong + ALIAS_CHEAT)
+        found[f"{cell}:code loaded at run time"] = ("code loaded at run time", cell, wrong + RUNTIME_CHEAT)
     for cell, code in notebook.delegations.items():
         found[f"{cell}:delegation"] = ("delegation", cell, code)
+    for cell, codes in notebook.more_delegations.items():
+        for i, code in enumerate(codes, start=2):
+            found[f"{cell}:delegation {i}"] = ("delegation", cell, code)
+    return found
+
+
+def alternative_submissions(notebook: GradedNotebook) -> dict[str, dict[str, str]]:
+    """{submission name: {cell: right answer written differently}}: "alternatives" holds one per exercise, the
+    others one idiom each."""
+    found = {"alternatives": dict(notebook.alternatives)}
+    for cell, codes in notebook.more_alternatives.items():
+        for i, code in enumerate(codes, start=2):
+            found[f"alternative {i} of {cell}"] = {cell: code}
     return found
 
 
@@ -1681,8 +1792,9 @@ def checked() -> dict[str, Checked]:
         submissions, only = {}, {}
         for name, (_, cell, code) in mutants(notebook).items():
             submissions[name], only[name] = {**solutions, cell: code}, [tests[cell]]
-        submissions["alternatives"] = {**solutions, **notebook.alternatives}
-        only["alternatives"] = [tests[cell] for cell in notebook.alternatives]
+        for name, answers in alternative_submissions(notebook).items():
+            submissions[name] = {**solutions, **answers}
+            only[name] = [tests[cell] for cell in answers]
         return Checked(grade(notebook.source, submissions, only=only))
 
     with ThreadPoolExecutor(SCRATCH_COURSES) as pool:
@@ -1695,7 +1807,8 @@ def mixed_submission(notebook: GradedNotebook, offset: int):
     exercise of a notebook with several stays right. A kernel-changing cell is added after the setup."""
     found = mutants(notebook)
     exercises = read_exercises(notebook.source).exercises
-    kinds = ["wrong answer", "changing the checks", "changing the kernel", "lying objects", "delegation"]
+    kinds = ["wrong answer", "changing the checks", "changing the kernel", "lying objects", "delegation",
+             "patching through an alias", "code loaded at run time"]
     answers, mutated = dict(solution_code(notebook)), {}
     for i, exercise in enumerate(exercises[:-1] if len(exercises) > 1 else exercises):
         cell = exercise.answer_ids[0]
@@ -1787,14 +1900,17 @@ def test_mutant_loses_its_points(checked, notebook, name):
     refused = result.error.startswith("AnswerRefused")
     if kind == "wrong answer":
         assert not refused, f"{name}: a wrong answer must be caught by the tests, not refused:\n{result.error}"
+    elif kind == "code loaded at run time":
+        assert "IntegrityError: after your answer ran" in result.error and "`torch.testing.assert_close`" in result.error, (
+            f"{name}: the integrity snapshot should name the replaced function:\n{result.error[-2000:]}")
     else:
         assert refused, f"{name} ({kind}) should be refused before it runs; it failed with:\n{result.error[-2000:]}"
 
 
 @pytest.mark.parametrize("notebook", GRADED, ids=str)
 def test_right_answers_written_differently_score_full_marks(checked, notebook):
-    results = checked[str(notebook)].results["alternatives"]
-    failed = {test: r.error[-1500:] for test, r in results.items() if not r.passed}
+    failed = {f"{name}: {test}": r.error[-1500:] for name in alternative_submissions(notebook)
+              for test, r in checked[str(notebook)].results[name].items() if not r.passed}
     assert not failed, f"{notebook}: right answers written differently lost points: {failed}"
 
 
@@ -1911,7 +2027,7 @@ def test_mixed_submission_loses_exactly_the_mutated_exercises(graded, notebook):
 
 def test_every_kind_of_mutant_goes_through_nbgrader(graded):
     kinds = {kind for notebook in GRADED for kind in graded[str(notebook)].mutated["mixed"].values()}
-    assert kinds == {"wrong answer", "changing the checks", "changing the kernel", "lying objects", "delegation"}, kinds
+    assert kinds == {"wrong answer", *CHEAT_KINDS}, kinds
 
 
 def test_score_table(graded):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -78,8 +79,57 @@ def all_reduce_instead(tensor):
     return tensor
 
 
-def test_collectives_are_switched_off_in_the_ring_check(tmp_path):
-    ranks = launch(check_ring_all_reduce, 2, args=(all_reduce_instead,), log_dir=tmp_path, timeout_s=60,
-                   threads_per_rank=1)
-    assert "isend / dist.recv" in ranks[0]["cases"][0]["error"]
-    assert len(ranks[0]["cases"]) == 1  # stopped at the first failure
+def c10d_all_reduce_and_fake_traffic(tensor):
+    """The sum by another name than dist.all_reduce, and 2(n - 1) messages sent for show."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.all_reduce(tensor)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for _ in range(2 * (world_size - 1)):
+        request = dist.isend(torch.zeros(1), dst=(rank + 1) % world_size)
+        dist.recv(torch.zeros(1), src=(rank - 1) % world_size)
+        request.wait()
+    return tensor
+
+
+def process_group_all_reduce(tensor):
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._get_default_group().allreduce([tensor]).wait()
+    return tensor
+
+
+def backend_all_reduce(tensor):
+    from torch.distributed import distributed_c10d
+
+    backend = distributed_c10d._get_default_group()._get_backend(tensor.device)
+    backend.allreduce([tensor]).wait()
+    return tensor
+
+
+def all_gather_then_sum(tensor):
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    tensor.copy_(sum(parts))
+    return tensor
+
+
+def dtensor_redistribute(tensor):
+    """A DTensor that is partial on every rank, made whole: torch's functional all-reduce, underneath."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    total = DTensor.from_local(tensor, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+    tensor.copy_(total)
+    return tensor
+
+
+@pytest.mark.parametrize("answer", [all_reduce_instead, c10d_all_reduce_and_fake_traffic, process_group_all_reduce,
+                                    backend_all_reduce, all_gather_then_sum, dtensor_redistribute],
+                         ids=lambda f: f.__name__)
+def test_collectives_are_refused_in_the_ring_check_by_whatever_name(tmp_path, answer):
+    ranks = launch(check_ring_all_reduce, 2, args=(answer,), log_dir=tmp_path, timeout_s=60, threads_per_rank=1)
+    for rank in ranks:
+        assert rank["cases"][0]["error"].startswith("CollectiveRefused: build the ring from dist.isend / dist.recv")
+        assert len(rank["cases"]) == 1  # stopped at the first failure

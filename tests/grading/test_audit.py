@@ -101,7 +101,13 @@ def test_changing_the_checks_is_refused(line, expected):
     ("import builtins", "`import builtins`"),
     ("import unittest.mock", "`import unittest.mock`"),
     ("exec('x = 1')", "`exec` runs or changes code"),
-    ("setattr(torch, 'testing', None)", "`setattr` runs or changes code"),
+    ("setattr(torch, 'testing', None)", "`setattr(torch, 'testing', None)` changes `torch`"),
+    ("setattr(torch.testing, 'assert_close', print)", "changes `torch.testing`"),
+    ("import math as m\nsetattr(m, 'isclose', print)", "changes `m`"),
+    ("f = setattr\nf(torch, 'testing', None)", "`setattr` runs or changes code"),
+    ("setattr(*(torch, 'testing', None))", "`setattr` with unpacked arguments"),
+    ("import torch as _torch\n_torch.testing.assert_close = print", "changes `_torch`"),
+    ("from torch import testing\ntesting.assert_close = print", "changes `testing`"),
     ("x = (1).__class__", "dunder attributes"),
     ("os._exit(0)", "reaches the interpreter or the process"),
     ("os.execv('/bin/true', ['true'])", "reaches the interpreter or the process"),
@@ -120,6 +126,20 @@ def test_changing_the_interpreter_is_refused(line, expected):
 ])
 def test_lying_objects_are_refused(code, expected):
     assert expected in messages(REFERENCE_FUNCTION + "\n" + code)
+
+
+def test_module_surgery_on_the_answers_own_objects_is_allowed():
+    answer = (REFERENCE_FUNCTION + "\n\ndef swap(model, name, layer):\n    setattr(model, name, layer)\n"
+              "    parent = model\n    setattr(parent.blocks[0], 'mlp', layer)\n    return getattr(model, name)\n")
+    assert audit(answer, REFERENCE_FUNCTION, CONTEXT) == []
+
+
+def test_names_a_test_cell_declares_off_limits_are_refused_however_imported():
+    tests = "# Not in the answer: torch.nn.parallel.DistributedDataParallel (what the tests compare with)"
+    for answer in ("from torch.nn.parallel import DistributedDataParallel as DDP\n",
+                   "import torch.nn.parallel\nwrapped = torch.nn.parallel.DistributedDataParallel\n"):
+        found = audit(REFERENCE_FUNCTION + "\n" + answer, REFERENCE_FUNCTION, CONTEXT, tests)
+        assert any("DistributedDataParallel" in v.message and "tests compare" in v.message for v in found), found
 
 
 def test_what_the_reference_does_is_allowed():

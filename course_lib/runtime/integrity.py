@@ -1,0 +1,134 @@
+"""What judges a graded check cannot be replaced under it.
+
+A graded check runs the learner's answer and then the exercise's tests in one process (and the answer's
+functions in the ranks the tests start), so an answer could replace what the tests judge with instead of
+passing them: `torch.testing.assert_close`, `math.isclose`, a collective the tests count, the course_lib
+reference they compare with. `Snapshot.take()` records, before the answer runs, every function, class and
+module reachable as an attribute of the watched modules (torch, torch.testing, torch.distributed and
+every loaded submodule of it, torch.nn, math, numpy, builtins, course_lib ...), the methods of the classes
+the checks rely on (torch.Tensor, torch.nn.Module) and the names of the notebook's setup cells;
+`snapshot.verify(when)` raises IntegrityError naming every one that is no longer the same object:
+
+    snapshot = Snapshot.take(namespace, setup_names)
+    ...                                   # the answer runs
+    snapshot.verify("after the answer ran")
+
+Identity, not equality, and the objects themselves: a replacement is caught whatever made it: an alias
+(`import torch as t; t.testing.assert_close = ...`), `setattr`, `module.__dict__[...]`, or code loaded at
+run time (`torch.hub.load`, a file the answer wrote and imported). Values that are state (numbers, dicts,
+tensors) are not watched: a library's counters change while it runs. New attributes are allowed (a lazy
+import adds its submodule to its package).
+
+The grading sandbox takes a snapshot in every check and sets GRADING_VARIABLE, so that every rank the
+check launches takes its own around the worker (course_lib.runtime.launch).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+import warnings
+
+GRADING_VARIABLE = "COURSE_GRADING_INTEGRITY"
+"""Set to 1 by the grading sandbox: each rank a graded check launches verifies a snapshot after its worker."""
+
+WATCHED_MODULES = ("builtins", "math", "cmath", "operator", "functools", "itertools", "copy", "random", "os",
+                   "os.path", "numpy", "torch", "torch.nn", "torch.optim", "torch.autograd", "torch.amp",
+                   "torch.utils.data", "unittest", "unittest.mock")
+WATCHED_PACKAGES = ("torch.testing", "torch.distributed", "torch.nn.functional", "torch.nn.parallel",
+                    "numpy.testing", "course_lib")
+"""Every loaded module of these packages is watched, the package itself included."""
+
+
+class IntegrityError(AssertionError):
+    """Something the checks judge with was replaced while the answer or the tests ran."""
+
+
+def _judges(value) -> bool:
+    """Functions, classes, modules and other callables: what a check calls. Not state."""
+    return isinstance(value, types.ModuleType) or callable(value)
+
+
+def _watched_modules() -> dict[str, types.ModuleType]:
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not isinstance(module, types.ModuleType):
+            continue
+        if name in WATCHED_MODULES or any(name == p or name.startswith(p + ".") for p in WATCHED_PACKAGES):
+            found[name] = module
+    return found
+
+
+def _watched_classes() -> dict[str, type]:
+    classes = {}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        classes.update({"torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module,
+                        "torch.nn.Parameter": torch.nn.Parameter})
+    return classes
+
+
+def _is_module_table(table: dict) -> bool:
+    module = sys.modules.get(table.get("__name__", "")) if isinstance(table, dict) else None
+    return module is not None and vars(module) is table and table.get("__name__") != "__main__"
+
+
+class Snapshot:
+    """The objects the checks judge with, as they are now (see the module docstring)."""
+
+    def __init__(self, entries: dict[str, tuple[dict, str, object]]):
+        self.entries = entries  # label -> (the dict it lives in, key, the object)
+
+    @classmethod
+    def take(cls, namespace: dict | None = None, names=()) -> "Snapshot":
+        """Record the watched modules' and classes' callables, and `names` of `namespace` (the setup cells')."""
+        with warnings.catch_warnings():  # looking at a deprecated alias (torch.distributed.reduce_op) warns
+            warnings.simplefilter("ignore")
+            return cls(cls._entries(namespace, names))
+
+    @staticmethod
+    def _entries(namespace, names) -> dict:
+        entries = {}
+        for module_name, module in _watched_modules().items():
+            table = vars(module)
+            for key, value in list(table.items()):
+                if not key.startswith("__") and _judges(value):
+                    entries[f"{module_name}.{key}"] = (table, key, value)
+        for class_name, klass in _watched_classes().items():
+            for key in dir(klass):  # what an attribute lookup finds, base classes included (getattr_static binds
+                value = inspect.getattr_static(klass, key, None)  # nothing: the same object at every lookup)
+                if value is not None and not key.startswith("__"):
+                    entries[f"{class_name}.{key}"] = (klass, key, value)
+        if namespace is not None:
+            for name in names:
+                if name in namespace and not name.startswith("__"):
+                    entries[name] = (namespace, name, namespace[name])
+        return entries
+
+    def changed(self, names: bool = True) -> list[str]:
+        """The labels of the recorded objects that are no longer there, or no longer the same object; with
+        names=False, only those of modules and classes (tests may rebind their own names)."""
+        missing = object()
+        found = []
+        for label, (where, key, value) in self.entries.items():
+            if isinstance(where, type):
+                now = inspect.getattr_static(where, key, missing)
+            elif not names and not _is_module_table(where):
+                continue
+            else:
+                now = where.get(key, missing)
+            if now is not value:
+                found.append(label)
+        return found
+
+    def verify(self, when: str, names: bool = True) -> None:
+        """Raise IntegrityError naming every replaced object (see changed)."""
+        changed = self.changed(names)
+        if changed:
+            shown = ", ".join(f"`{label}`" for label in changed[:10]) + (
+                f" and {len(changed) - 10} more" if len(changed) > 10 else "")
+            raise IntegrityError(
+                f"{when}, {shown} {'is' if len(changed) == 1 else 'are'} no longer what the notebook's setup "
+                "gave the checks: an answer may change only its own objects, never a module, a class of torch "
+                "or a name of the setup cells (whatever the way: an alias, setattr, code loaded at run time)")

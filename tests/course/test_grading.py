@@ -938,6 +938,16 @@ ZERO_EXERCISES = GradedNotebook("session_d", "02b_zero_exercises", {
     "bytes_stage1_shards_the_gradients": ("zero1_bytes", "zero1_bytes_tests", [
         ('"grads": grad_bytes * (shard if stage >= 2 else n_params)',
          '"grads": grad_bytes * (shard if stage >= 1 else n_params)')]),
+    "zero1_gradient_all_reduced_by_another_name": ("zero2_stage1", "zero2_stage1_tests", [
+        ("        reduce_scatter_single(grad, padded_flat([p.grad for p in params]), op=dist.ReduceOp.SUM)\n",
+         "        from torch.distributed import distributed_c10d\n"
+         "        summed = padded_flat([p.grad for p in params])\n"
+         "        distributed_c10d.all_reduce(summed)  # the all-reduce ZeRO replaces, by another name\n"
+         "        grad.copy_(summed[rank * shard:(rank + 1) * shard])\n")]),
+    "zero1_gathered_behind_the_counters_back": ("zero2_stage1", "zero2_stage1_tests", [
+        ("        all_gather_single(full, mine.detach())\n",
+         "        from torch.distributed import distributed_c10d\n"
+         "        distributed_c10d._get_default_group()._allgather_base(full, mine.detach()).wait()\n")]),
     "zero1_gradient_not_averaged": ("zero2_stage1", "zero2_stage1_tests", [
         ("        mine.grad = grad / world_size\n", "        mine.grad = grad\n")]),
     "zero1_optimizer_made_every_step": ("zero2_stage1", "zero2_stage1_tests", [

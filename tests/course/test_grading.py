@@ -1213,6 +1213,13 @@ _LAB_ALTERNATIVE_FIXES = {  # job -> [(text of the correct function, another rig
 }
 
 
+_LAB_MORE_FIXES = {  # job -> [edits of the correct functions]: more right answers, one idiom each
+    8: [[("        if aux_loss_weight > 0:\n            self.aux_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)",
+          "        self.aux_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False)\n"
+          "        self.aux_head.requires_grad_(aux_loss_weight > 0)  # frozen when unused: DDP waits for no gradient of it")]],
+}
+
+
 def _fix_answer(job: int, edits=()) -> str:
     """The correct functions of job `job` (train_job.py's), with edits, as an answer cell writes them."""
     from course_lib.debugging import train_job
@@ -1245,7 +1252,9 @@ def _lab_notebook(name: str, jobs: range) -> GradedNotebook:
         imported = ", ".join(names)
         delegations[f"dbg{n}_fix"] = f"from course_lib.debugging.train_job import {imported}\n\nfixes_{n} = [{imported}]\n"
         alternatives[f"dbg{n}_fix"] = _fix_answer(n, _LAB_ALTERNATIVE_FIXES[n])
-    return GradedNotebook("session_c", name, wrong, delegations=delegations, alternatives=alternatives)
+    more = {f"dbg{n}_fix": [_fix_answer(n, edits) for edits in _LAB_MORE_FIXES[n]] for n in jobs if n in _LAB_MORE_FIXES}
+    return GradedNotebook("session_c", name, wrong, delegations=delegations, alternatives=alternatives,
+                          more_alternatives=more)
 
 
 DEBUGGING_LAB = _lab_notebook("06_debugging_lab", range(1, 9))

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from course_lib.grading.audit import audit
 from course_lib.grading.exercises import read_exercises
-from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot
+from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot, guard_modules, trust
 
 DEFAULT_TIMEOUT_S = 150.0
 OUTPUT_LIMIT = 20_000  # characters of a check's output kept (the end, where the failure is)
@@ -131,6 +131,7 @@ class _Sandbox:
         self.context_ran = 0
         self.context_error = ""
         self.files = 0
+        self.setup_files: list[str] = []
 
     def source_file(self, code: str, label: str) -> str:
         """Write code to a file, so tracebacks quote it and inspect.getsource (spawnable) can read it back."""
@@ -143,7 +144,9 @@ class _Sandbox:
         while self.context_ran < upto and not self.context_error:
             code = self.job["context"][self.context_ran]
             try:
-                exec(compile(code, self.source_file(code, f"setup_{self.context_ran}"), "exec"), self.main.__dict__)
+                path = self.source_file(code, f"setup_{self.context_ran}")
+                self.setup_files.append(path)
+                exec(compile(code, path, "exec"), self.main.__dict__)
             except BaseException:  # noqa: BLE001 - an instructor's setup cell failed: every later check says so
                 self.context_error = "a setup cell of the notebook failed:\n" + traceback.format_exc()
             self.context_ran += 1
@@ -199,11 +202,14 @@ class _Sandbox:
             # and by every rank the tests launch (GRADING_VARIABLE).
             snapshot = Snapshot.take(namespace, [name for name in namespace if not name.startswith("__")])
             os.environ[GRADING_VARIABLE] = "1"
+            test_file = self.source_file(check["test_code"], check["test_id"])
+            for path in self.setup_files + [test_file]:  # the instructor's code; the answers are not trusted
+                trust(path)
+            guard_modules()
             for cell, answer, _ in check["answers"]:
                 exec(compile(answer, self.source_file(answer, f"answer_{cell}"), "exec"), namespace)
             snapshot.verify("after your answer ran")
-            exec(compile(check["test_code"], self.source_file(check["test_code"], check["test_id"]), "exec"),
-                 namespace)
+            exec(compile(check["test_code"], test_file, "exec"), namespace)
             snapshot.verify("after the tests ran", names=False)
             code = 0
         except BaseException:  # noqa: BLE001 - every failure, SystemExit included, is a failed check

@@ -19,14 +19,23 @@ run time (`torch.hub.load`, a file the answer wrote and imported). Values that a
 tensors) are not watched: a library's counters change while it runs. New attributes are allowed (a lazy
 import adds its submodule to its package).
 
-The grading sandbox takes a snapshot in every check and sets GRADING_VARIABLE, so that every rank the
-check launches takes its own around the worker (course_lib.runtime.launch).
+A patch that undoes itself before the snapshot is verified (it replaces a function, the tests call the fake
+once, the fake puts the original back) leaves nothing to see afterwards, so `guard_modules()` also refuses the
+replacement as it happens: every watched module refuses to rebind a function, class or module while code that
+is not trusted is running (on the call stack): trusted is course_lib, the Python installation (standard library,
+torch and the other installed packages) and the files `trust()` names (the notebook's setup and test cells).
+The learner's answer, the modules ranks import it from, and whatever it loads at run time are not trusted.
+
+The grading sandbox takes a snapshot and guards the modules in every check, and sets GRADING_VARIABLE, so that
+every rank the check launches does the same around the worker (course_lib.runtime.launch).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import sys
+import sysconfig
 import types
 import warnings
 
@@ -132,3 +141,70 @@ class Snapshot:
                 f"{when}, {shown} {'is' if len(changed) == 1 else 'are'} no longer what the notebook's setup "
                 "gave the checks: an answer may change only its own objects, never a module, a class of torch "
                 "or a name of the setup cells (whatever the way: an alias, setattr, code loaded at run time)")
+
+
+# ------------------------------------------------------------------ refusing a replacement as it happens
+
+_TRUSTED_FILES: set[str] = set()
+_MISSING = object()
+
+
+def trust(path) -> None:
+    """Code in this file may rebind what the checks judge with (a notebook's setup and test cells)."""
+    _TRUSTED_FILES.add(os.path.abspath(str(path)))
+
+
+def _trusted_roots() -> tuple[str, ...]:
+    roots = {os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sys.prefix, sys.base_prefix,
+             *(sysconfig.get_paths().get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib"))}
+    return tuple(os.path.abspath(root) + os.sep for root in roots if root)
+
+
+def untrusted_caller() -> str | None:
+    """The file of the innermost frame on the call stack whose code is not trusted, or None."""
+    roots = _trusted_roots()
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<"):
+            trusted = filename.startswith("<frozen")  # the import system; <string> and the like are exec'd code
+        else:
+            path = os.path.abspath(filename)
+            trusted = path in _TRUSTED_FILES or path.startswith(roots)
+        if not trusted:
+            return filename
+        frame = frame.f_back
+    return None
+
+
+def _check_write(module: types.ModuleType, name: str) -> None:
+    current = vars(module).get(name, _MISSING)
+    if current is _MISSING or name.startswith("__") or not _judges(current):
+        return  # a new attribute, or state
+    culprit = untrusted_caller()
+    if culprit is not None:
+        raise IntegrityError(f"`{module.__name__}.{name}` is what the checks judge with; code in {culprit} may not "
+                             "replace it (an answer may change only its own objects)")
+
+
+class _GuardedModule(types.ModuleType):
+    """A watched module while a check runs: see guard_modules."""
+
+    def __setattr__(self, name, value):
+        _check_write(self, name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        _check_write(self, name)
+        super().__delattr__(name)
+
+
+def guard_modules() -> int:
+    """Make every watched module refuse, from untrusted code, to rebind what the checks judge with. For a process
+    that ends with the check (the sandbox's forked child, a rank): nothing undoes it. Returns how many modules."""
+    guarded = 0
+    for module in _watched_modules().values():
+        if type(module) is types.ModuleType:
+            module.__class__ = _GuardedModule
+            guarded += 1
+    return guarded

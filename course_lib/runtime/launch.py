@@ -42,7 +42,7 @@ from course_lib.core.checks import positive_int
 from course_lib.nbtools import relative_paths
 from course_lib.runtime.device_guard import guard_collectives
 from course_lib.runtime.env import DEFAULT_TIMEOUT_S, get_dist_info, init_distributed, setup_rank_logging
-from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot
+from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot, guard_modules
 
 STOP_GRACE_S = 1.0  # time the other ranks get to report their own errors before they are killed
 
@@ -128,6 +128,8 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
         phase = "worker"
         guard = os.environ.get(DEVICE_GUARD_VARIABLE) == "1"
         graded = Snapshot.take() if os.environ.get(GRADING_VARIABLE) == "1" else None  # see runtime/integrity.py
+        if graded is not None:
+            guard_modules()
         with guard_collectives(get_dist_info().device) if guard else nullcontext():
             result = worker(*args, **kwargs)
         if graded is not None:

@@ -1920,7 +1920,7 @@ def test_mutant_loses_its_points(checked, notebook, name):
     if kind == "wrong answer":
         assert not refused, f"{name}: a wrong answer must be caught by the tests, not refused:\n{result.error}"
     elif kind == "code loaded at run time":
-        assert "IntegrityError: after your answer ran" in result.error and "`torch.testing.assert_close`" in result.error, (
+        assert "IntegrityError: `torch.testing.assert_close` is what the checks judge with" in result.error, (
             f"{name}: the integrity snapshot should name the replaced function:\n{result.error[-2000:]}")
     else:
         assert refused, f"{name} ({kind}) should be refused before it runs; it failed with:\n{result.error[-2000:]}"

@@ -134,9 +134,42 @@ def test_a_patched_check_fails_with_the_attribute_named(scale_notebook):
     for name in CHEATS:
         result = results[name]
         assert not result.passed, f"{name}: the patched check passed"
-        assert "IntegrityError" in result.error and "`torch.testing.assert_close`" in result.error, (name, result.error)
-        when = "after the tests ran" if name == "a patch made while the tests run" else "after your answer ran"
-        assert when in result.error, (name, result.error)
+        assert "IntegrityError: `torch.testing.assert_close` is what the checks judge with" in result.error, (
+            name, result.error)
+        culprit = "hubconf.py" if name == "code loaded at run time" else "_answer_scale.py"
+        assert f"{culprit} may not replace it" in result.error, (name, result.error)
+
+
+SELF_RESTORING = '''def scale(x):
+    testing = getattr(torch, "testing")
+    real = testing.assert_close
+
+    def once(*args, **kwargs):
+        setattr(testing, "assert_close", real)  # the original back: nothing left for a snapshot to see
+
+    setattr(testing, "assert_close", once)
+    return x
+'''
+
+
+def test_a_patch_that_undoes_itself_is_refused_as_it_happens(scale_notebook):
+    result = grade(scale_notebook, {"sly": {"scale": SELF_RESTORING}})["sly"]["scale_tests"]
+    assert not result.passed and "IntegrityError: `torch.testing.assert_close` is what the checks judge with" in (
+        result.error), result.error
+
+
+def test_the_snapshot_still_sees_what_the_guard_cannot(monkeypatch):
+    """A write to a module's dictionary goes around the guard (the audit refuses `vars` and `__dict__` in an answer;
+    code loaded at run time could do it): the snapshot names it when the check ends."""
+    from course_lib.runtime import integrity
+
+    snapshot = Snapshot.take()
+    original = math.isclose
+    monkeypatch.setitem(vars(math), "isclose", lambda *a, **k: True)
+    assert snapshot.changed() == ["math.isclose"]
+    monkeypatch.undo()
+    assert math.isclose is original and snapshot.changed() == []
+    assert integrity.untrusted_caller() is not None, "this test file is not trusted code"
 
 
 def test_an_import_alias_is_refused_before_it_runs(scale_notebook):

@@ -1851,6 +1851,7 @@ class Grades:
     scores: dict[str, dict[str, tuple[float, float]]]
     printed: dict[str, dict[str, str]]
     mutated: dict[str, dict[str, str]]  # student -> test cell id -> mutant kind
+    courses: dict[str, Path] = field(default_factory=dict)  # student -> the scratch course that graded it
 
 
 @pytest.fixture(scope="module")
@@ -1880,6 +1881,7 @@ def graded(tmp_path_factory) -> dict[str, Grades]:
         grades = results[str(notebook)]
         grades.scores[student] = by_course[course][student][notebook.assignment][notebook.name]
         grades.mutated[student] = mutated.get((str(notebook), student), {})
+        grades.courses[student] = course
         nb = nbformat.read(course / "autograded" / student / notebook.assignment / f"{notebook.name}.ipynb", as_version=4)
         grades.printed[student] = {grade_id(c): "".join(o.get("text", "") for o in c.outputs)
                                    for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")}
@@ -2078,17 +2080,14 @@ def test_the_course_grades_at_least_100_points_on_real_ranks_and_the_book_says_h
     assert f"{total:g} points in all" in chapter, f"book/session_a/index.md should say '{total:g} points in all'"
 
 
-def test_feedback_renders_offline_and_keeps_the_hidden_tests_hidden(tmp_path):
-    """nbgrader's feedback page for a submission: formulas from the vendored MathJax (no CDN), hidden tests absent,
-    the failing check's message present."""
+def test_feedback_renders_offline_and_keeps_the_hidden_tests_hidden(graded):
+    """nbgrader's feedback page for a submission (the untouched release, autograded above): formulas from the
+    vendored MathJax (no CDN), hidden tests absent, the failing check's message present."""
     notebook = MESH_LAYOUT
-    course = grading.stage_course(REPO_ROOT, tmp_path / "course", [notebook.assignment])
-    submission = nbformat.read(notebook.student_version, as_version=4)
-    path = course / "submitted" / "alice" / notebook.assignment / f"{notebook.name}.ipynb"
-    path.parent.mkdir(parents=True)
-    nbformat.write(submission, path)
-    grading.autograde(course, notebook.assignment, "alice", feedback=True)
-    page = course / "feedback" / "alice" / notebook.assignment / f"{notebook.name}.html"
+    course = graded[str(notebook)].courses["untouched"]
+    grading.run_nbgrader(course, "generate_feedback", notebook.assignment, "--force", "--student=untouched")
+    grading.offline_feedback(course / "feedback")
+    page = course / "feedback" / "untouched" / notebook.assignment / f"{notebook.name}.html"
     html = page.read_text(encoding="utf-8")
     assert "cdnjs" not in html and "mathjax/2." not in html.lower(), "the feedback page loads MathJax from a CDN"
     local = re.search(r'<script src="([^"]*tex-chtml\.js)"', html)

@@ -10,16 +10,21 @@ resume, per-step metrics (loss, lr, grad norm, tokens/s) to out_dir/metrics.json
     python -m course_lib.train --config_path config/config.json --precision bf16 --threads 2
     python -m course_lib.train --help                                           # every TrainConfig field
 
-Data parallel (torch DDP) or fully sharded (FSDP2, see course_lib.sharding.fsdp): one process, or N ranks under
-torchrun:
+Every parallel layout the course teaches, from one process to dp x tp x pp ranks under torchrun; the model and
+the loop stay the same, only the wrapping changes (course_lib.parallel: Layout -> parallelize -> train_step):
 
-    python -m course_lib.train --strategy ddp --model_size small --max_steps 50
-    torchrun --nproc_per_node=2 -m course_lib.train --strategy ddp --model_size small --max_steps 50
-    torchrun --nproc_per_node=2 -m course_lib.train --strategy fsdp --model_size medium --max_steps 50
+    torchrun --nproc_per_node=2 -m course_lib.train --model_size small --max_steps 50            # DDP over 2 ranks
+    torchrun --nproc_per_node=4 -m course_lib.train --zero 2                                      # ZeRO-2 from scratch
+    torchrun --nproc_per_node=2 -m course_lib.train --fsdp                                        # FSDP2
+    torchrun --nproc_per_node=2 -m course_lib.train --tp 2 --sp                                   # tensor + sequence
+    torchrun --nproc_per_node=2 -m course_lib.train --pp 2 --schedule 1f1b --micro_batches 4      # pipeline
+    torchrun --nproc_per_node=8 -m course_lib.train --dp 2 --tp 2 --pp 2                          # 3D
 
-Each rank takes its own rows of one global batch (batch_size rows per rank, batch_size * world_size in all),
-so N ranks take the same steps as one process with batch_size * N; rank 0 writes metrics and checkpoints,
-every rank logs to <log_dir>/rank_<r>/train.log. FSDP checkpoints are gathered into the same single file.
+--dp defaults to the ranks left over by tp * pp. Each data-parallel replica takes its own rows of one global batch
+(batch_size rows per replica, batch_size * dp in all), so every layout takes the same steps as one process with
+batch_size * dp; rank 0 writes metrics, every rank logs to <log_dir>/rank_<r>/train.log. Checkpoints: one file
+(single, DDP; FSDP gathers its shards into it), or, where the training state is sharded (ZeRO, tp, pp), a
+torch.distributed.checkpoint folder every rank writes its shards into (course_lib.checkpoint.distributed).
 
 Resuming restores model, optimizer, scheduler, GradScaler, every RNG and the data position, so the
 continued run's losses equal an uninterrupted run's bit for bit (same device, threads and torch version).
@@ -33,7 +38,6 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -49,6 +53,11 @@ from course_lib.checkpoint.atomic import (
     resolve_resume,
     save_training_checkpoint,
 )
+from course_lib.checkpoint.distributed import (
+    load_distributed_checkpoint,
+    resolve_distributed_resume,
+    save_distributed_checkpoint,
+)
 from course_lib.checkpoint.fsdp import load_full_checkpoint, save_full_checkpoint
 from course_lib.core.config import add_dataclass_arguments, load_model_config
 from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
@@ -57,43 +66,23 @@ from course_lib.core.metrics import MetricsLogger
 from course_lib.core.model import GPT, PRESETS, GPTConfig
 from course_lib.core.optim import configure_optimizer, make_scheduler
 from course_lib.core.steps import evaluate, train_step
+from course_lib.parallel.layout import DDP_IMPLEMENTATIONS, ZERO_STAGES, Layout, build_mesh
+from course_lib.parallel.parallelize import parallelize
+from course_lib.pipeline_parallel.schedules import SCHEDULES
 from course_lib.runtime.env import cleanup, init_distributed, setup_rank_logging
-from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.sharding import fsdp
-from course_lib.sharding.fsdp import apply_fsdp, mixed_precision_policy, precision_of
+from course_lib.sharding.fsdp import mixed_precision_policy, precision_of
 
 DATASETS = ("corpus", "synthetic")
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """How `train` runs under one --strategy: what it applies to the model, and who saves, loads and evaluates."""
-
-    distributed: bool
-    """Starts a process group: torchrun's ranks, or one rank without torchrun."""
-    apply: Callable
-    """(model, cfg, autocast dtype) -> (the module to train through, the autocast dtype still to use)."""
-    save: Callable = save_training_checkpoint
-    load: Callable = load_checkpoint
-    every_rank_saves: bool = False
-    """Every rank takes part in saving (FSDP sends its shards to the one file rank 0 writes); else rank 0 alone."""
-    split_evaluation: bool = True
-    """Each rank evaluates its share of the validation batches; False: all ranks every batch together (an FSDP
-    forward all-gathers the weights, so every rank must run it)."""
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
+"""auto: the layout the flags and the job's ranks give; single: one process; ddp, fsdp: shorthands for every
+rank a replica (--fsdp: sharded), kept from before the layout flags."""
+LAYOUT_FLAGS = {"dp": None, "tp": 1, "pp": 1, "zero": 0, "fsdp": False, "sp": False}
+"""The layout fields that ask for more than one process, with their one-process values."""
 
 
-def _apply_fsdp(model, cfg, amp_dtype):
-    """FSDP2 with the policy of the precision the run asked for; it casts for compute, so no autocast on top."""
-    return apply_fsdp(model, strategy=cfg.sharding, mp_policy=mixed_precision_policy(precision_of(amp_dtype))), None
-
-
-STRATEGIES = {
-    "single": Strategy(distributed=False, apply=lambda model, cfg, amp_dtype: (model, amp_dtype)),
-    # DDP broadcasts rank 0's weights and all-reduces gradients in backward; `model` stays the plain module.
-    "ddp": Strategy(distributed=True, apply=lambda model, cfg, amp_dtype: (apply_ddp(model), amp_dtype)),
-    "fsdp": Strategy(distributed=True, apply=_apply_fsdp, save=save_full_checkpoint, load=load_full_checkpoint,
-                     every_rank_saves=True, split_evaluation=False),
-}
 SYNTHETIC_NUM_TOKENS = 200_000  # dataset="synthetic": this many "motifs" tokens, the last 10% held out
 
 
@@ -156,12 +145,31 @@ class TrainConfig:
     """corpus (the shipped text) or synthetic (a learnable token stream, for quick tests)."""
     threads: int | None = None
     """torch.set_num_threads for this process; None leaves torch's default."""
-    strategy: str = "single"
-    """single (one process), ddp (torch DistributedDataParallel) or fsdp (FSDP2); one rank per process."""
+    strategy: str = "auto"
+    """auto (the layout below, one process when none is asked for), single (one process), ddp (every rank a
+    replica) or fsdp (the same as --fsdp)."""
+    dp: int | None = None
+    """Data-parallel replicas; None: the ranks left after tp * pp (under torchrun, WORLD_SIZE / (tp * pp))."""
+    zero: int = 0
+    """ZeRO stage from scratch over the replicas (0-3): 1 shards optimizer states, 2 gradients too, 3 parameters too."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer states over the replicas with torch's FSDP2."""
     sharding: str = "FULL_SHARD"
-    """strategy fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (course_lib.sharding.fsdp.SHARDING_STRATEGIES)."""
+    """fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD (course_lib.sharding.fsdp.SHARDING_STRATEGIES)."""
+    ddp: str = "torch"
+    """Replicas without sharding average gradients with torch DDP (torch) or the course's bucketed all-reduce (scratch)."""
+    tp: int = 1
+    """Tensor-parallel ranks (Megatron-LM with torch DTensor); n_head and ffn_hidden must divide by it."""
+    sp: bool = False
+    """Sequence parallelism on top of tp (norms and the residual stream split along the sequence)."""
+    pp: int = 1
+    """Pipeline stages (at most n_layer), one rank each."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b or gpipe."""
+    micro_batches: int | None = None
+    """Micro-batches each pipeline step splits a replica's batch_size * grad_accum_steps rows into; None: pp."""
     log_dir: str = "logs"
-    """strategy ddp / fsdp: every rank writes its log lines to <log_dir>/rank_<r>/train.log."""
+    """Distributed runs: every rank writes its log lines to <log_dir>/rank_<r>/train.log."""
 
     def __post_init__(self):
         if self.min_lr is None:
@@ -185,6 +193,11 @@ class TrainConfig:
              lambda v: self.config_path is not None or v in PRESETS),
             (("dataset",), f"one of {DATASETS}", lambda v: v in DATASETS),
             (("strategy",), f"one of {list(STRATEGIES)}", lambda v: v in STRATEGIES),
+            (("dp", "micro_batches"), "None or a positive integer", lambda v: v is None or (is_int(v) and v > 0)),
+            (("tp", "pp"), "a positive integer", lambda v: is_int(v) and v > 0),
+            (("zero",), f"one of {list(ZERO_STAGES)}", lambda v: v in ZERO_STAGES),
+            (("ddp",), f"one of {list(DDP_IMPLEMENTATIONS)}", lambda v: v in DDP_IMPLEMENTATIONS),
+            (("schedule",), f"one of {sorted(SCHEDULES)}", lambda v: v in SCHEDULES),
             (("sharding",), f"one of {list(fsdp.SHARDING_STRATEGIES)}", lambda v: v in fsdp.SHARDING_STRATEGIES),
             (("precision",), f"one of {PRECISION_CHOICES}", lambda v: v in PRECISION_CHOICES),
             (("device",), f"one of {DEVICE_CHOICES} or cuda:N", lambda v: str(v).split(":")[0] in DEVICE_CHOICES),
@@ -194,6 +207,28 @@ class TrainConfig:
             for name in names:
                 if not ok(getattr(self, name)):
                     raise ValueError(f"TrainConfig.{name} must be {rule}, got {getattr(self, name)!r}")
+        asked = [f"{name}={getattr(self, name)!r}" for name, alone in LAYOUT_FLAGS.items()
+                 if getattr(self, name) not in (alone, 1 if name == "dp" else alone)]
+        if self.strategy == "single" and asked:
+            raise ValueError(f"TrainConfig.strategy='single' runs one process, but the layout asks for more "
+                             f"({', '.join(asked)}): leave strategy at 'auto'")
+        if self.strategy == "ddp" and (self.zero or self.fsdp or self.tp > 1 or self.pp > 1):
+            raise ValueError("TrainConfig.strategy='ddp' means plain replicas: leave strategy at 'auto' to combine "
+                             "zero, fsdp, tp or pp")
+
+    @property
+    def distributed(self) -> bool:
+        """Does this run start a process group: a strategy or layout that asks for one, or torchrun's ranks."""
+        asks = any(getattr(self, name) not in (alone, 1 if name == "dp" else alone)
+                   for name, alone in LAYOUT_FLAGS.items())
+        return self.strategy in ("ddp", "fsdp") or asks or (self.strategy == "auto" and
+                                                            int(os.environ.get("WORLD_SIZE", "1")) > 1)
+
+    def layout(self, world_size: int) -> Layout:
+        """The Layout of this run on `world_size` ranks (dp filled in from it); raises naming what does not fit."""
+        return Layout.for_world(world_size, dp=self.dp, zero=self.zero, fsdp=self.fsdp or self.strategy == "fsdp",
+                                ddp=self.ddp, tp=self.tp, sp=self.sp, pp=self.pp, schedule=self.schedule,
+                                micro_batches=self.micro_batches)
 
 
 def seed_everything(seed: int) -> None:
@@ -249,20 +284,61 @@ def check_splits(cfg: TrainConfig, config: GPTConfig, splits: dict[str, torch.Te
                              f"(the byte tokenizer has 256 ids); set vocab_size to at least {top + 1}")
 
 
+@dataclass(frozen=True)
+class Checkpoints:
+    """How a layout's run saves and resumes: one file from rank 0 (single, DDP), one file FSDP's ranks gather
+    into, or a distributed checkpoint folder every rank writes its shards into (ZeRO, tp, pp)."""
+
+    kind: str  # "file", "gathered" or "distributed"
+
+    @classmethod
+    def of(cls, layout: Layout) -> "Checkpoints":
+        if layout.fsdp and layout.tp == 1:
+            return cls("gathered")
+        return cls("distributed" if layout.sharded else "file")
+
+    @property
+    def every_rank_saves(self) -> bool:
+        return self.kind != "file"
+
+    def resolve(self, resume, out_dir: Path) -> Path | None:
+        return resolve_distributed_resume(resume, out_dir) if self.kind == "distributed" else resolve_resume(resume, out_dir)
+
+    def save(self, out_dir: Path, par, *, layout: Layout, **state) -> Path:
+        if self.kind == "distributed":
+            state.pop("optimizer")
+            return save_distributed_checkpoint(out_dir, state=par.state_dict(), layout=layout.name(), **state)
+        save = save_full_checkpoint if self.kind == "gathered" else save_training_checkpoint
+        return save(out_dir, model=par.model, **state)
+
+    def load(self, path: Path, par, *, layout: Layout, optimizer, scheduler, scaler) -> dict:
+        if self.kind == "distributed":
+            state = par.state_dict()
+            meta = load_distributed_checkpoint(path, state=state, layout=layout.name(), scheduler=scheduler,
+                                               scaler=scaler)
+            par.load_state_dict(state)
+            return meta
+        load = load_full_checkpoint if self.kind == "gathered" else load_checkpoint
+        return load(path, model=par.model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run (or continue) training; returns history, evals, model and paths (see the end of the function)."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    strategy = STRATEGIES[cfg.strategy]
     rank, world_size, rank_log = 0, 1, None
-    if strategy.distributed:
+    if cfg.distributed:
         info = init_distributed(device="auto" if cfg.device in ("auto", "mps") else cfg.device.split(":")[0])
         rank, world_size, device = info.rank, info.world_size, info.device
         rank_log = setup_rank_logging(cfg.log_dir, console=False)  # the console has rank 0's bar
     else:
         device = select_device(cfg.device)
+    layout = cfg.layout(world_size)
     is_main = rank == 0
     amp_dtype = autocast_dtype(device, cfg.precision)
+    if layout.pp > 1 and amp_dtype is not None:
+        raise ValueError(f"TrainConfig.precision={cfg.precision!r} means autocast to {amp_dtype} on {device.type}, "
+                         "but the pipeline stages pass fp32 activations: use --precision fp32 with --pp")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
@@ -270,25 +346,32 @@ def train(cfg: TrainConfig) -> dict:
     seed_everything(cfg.seed)
     config = build_model_config(cfg)
     model = GPT(config).to(device)
+    num_params = model.num_params()  # before any layout keeps only a part of it here
     scaler = torch.amp.GradScaler(device.type) if needs_grad_scaler(device, amp_dtype) else None
-    train_model, amp_dtype = strategy.apply(model, cfg, amp_dtype)
-    no_sync = getattr(train_model, "no_sync", None)  # a wrapper that can skip the sync of accumulating steps
-    optimizer = configure_optimizer(model, cfg.lr, cfg.weight_decay)
+    mesh = build_mesh(layout, device.type) if cfg.distributed else None
+    # FSDP casts for compute itself (its mixed-precision policy), so no autocast on top.
+    par = parallelize(model, layout, mesh, fsdp_strategy=cfg.sharding,
+                      mp_policy=mixed_precision_policy(precision_of(amp_dtype)) if layout.fsdp else None)
+    if layout.fsdp:
+        amp_dtype = None
+    optimizer = par.make_optimizer(cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, max_lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_steps=cfg.max_steps)
+    checkpoints = Checkpoints.of(layout)
     train_tokens, val_tokens = load_splits(cfg)
     check_splits(cfg, config, {"train": train_tokens, "val": val_tokens})  # before step 1, not at the first eval
-    # Every rank draws the same global batch and keeps its own rows: disjoint data, one process's order.
-    batches = RandomBatches(train_tokens, cfg.batch_size * world_size, config.block_size, seed=cfg.seed)
-    my_rows = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
-    start_step, resume_from = 0, resolve_resume(cfg.resume, out_dir)
+    # Every rank draws the same global batch; each replica keeps its own rows: disjoint data, one process's order.
+    batches = RandomBatches(train_tokens, cfg.batch_size * layout.dp, config.block_size, seed=cfg.seed)
+    my_rows = slice(par.dp_rank * cfg.batch_size, (par.dp_rank + 1) * cfg.batch_size)
+    start_step, resume_from = 0, checkpoints.resolve(cfg.resume, out_dir)
     if resume_from is not None:
-        ckpt = strategy.load(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        ckpt = checkpoints.load(resume_from, par, layout=layout, optimizer=optimizer, scheduler=scheduler,
+                                scaler=scaler)
         saved_rows = (ckpt["data_state"] or {}).get("batch_size")
         if saved_rows is not None and saved_rows != batches.batch_size:
             raise ValueError(f"{resume_from} was written by a run with a global batch of {saved_rows} rows (--batch_size "
-                             f"per rank x ranks); this run has --batch_size {cfg.batch_size} x {world_size} rank(s) = "
-                             f"{batches.batch_size}: resume with the same global batch")
+                             f"per replica x replicas); this run has --batch_size {cfg.batch_size} x {layout.dp} "
+                             f"replica(s) = {batches.batch_size}: resume with the same global batch")
         batches.load_state_dict(ckpt["data_state"])
         start_step = ckpt["step"]
         changes = continue_schedule(cfg, optimizer, scheduler, (ckpt.get("extra") or {}).get("train_config") or {})
@@ -301,23 +384,31 @@ def train(cfg: TrainConfig) -> dict:
     last_step = cfg.stop_at_step or cfg.max_steps
     if world_size > 1:
         dist.barrier()  # rank 0 has cleared or checked out_dir before anyone writes
-    tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * config.block_size * world_size
+    tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * config.block_size * layout.dp
     train_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     history, evals, ckpt_path = [], [], None
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard,
                            resume_step=start_step if resume_from else None) if is_main else None
     bar = tqdm(total=last_step, initial=start_step, desc="train", unit="step", disable=not cfg.progress or not is_main,
                dynamic_ncols=True)
+
+    def save(step: int, val_loss: float | None) -> Path | None:
+        if not (checkpoints.every_rank_saves or is_main):
+            return None
+        return checkpoints.save(out_dir, par, layout=layout, step=step, keep_last=cfg.keep_last, optimizer=optimizer,
+                                scheduler=scheduler, scaler=scaler, data_state=batches.state_dict(),
+                                extra={"train_config": train_config, "val_loss": val_loss})
+
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` = optimizer steps done after this iteration
             start = time.perf_counter()
             micro_batches = [next(batches)[my_rows].to(device) for _ in range(cfg.grad_accum_steps)]
-            stats = train_step(train_model, micro_batches, optimizer, scheduler, scaler=scaler,
-                               grad_clip=cfg.grad_clip, amp_dtype=amp_dtype, no_sync=no_sync)
-            if world_size > 1:  # each rank saw different rows: report the mean loss of the global batch
+            stats = train_step(par, micro_batches, optimizer, scheduler, scaler=scaler, grad_clip=cfg.grad_clip,
+                               amp_dtype=amp_dtype)
+            if world_size > 1:  # the replicas saw different rows: report the mean loss of the global batch
                 stats["local_loss"] = stats["loss"]
                 loss = torch.tensor([stats["loss"]], dtype=torch.float64, device=device)
-                dist.all_reduce(loss)
+                dist.all_reduce(loss)  # the ranks of one replica hold its loss once each: the mean is the same
                 stats["loss"] = loss.item() / world_size
             elapsed = time.perf_counter() - start  # .item() in train_step waited for the device
             if not math.isfinite(stats["loss"]) and scaler is None:
@@ -337,20 +428,15 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.log_interval and step % cfg.log_interval == 0 and is_main:
                 bar.write(f"step {step:6d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
                           f"grad norm {stats['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s")
+            checkpoint_due = (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step
             if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == last_step:
-                split = (rank, world_size) if strategy.split_evaluation else (0, 1)
                 try:
-                    val_loss = evaluate(model, val_tokens, batch_size=cfg.batch_size * world_size,
-                                        block_size=config.block_size, max_batches=cfg.eval_batches,
-                                        amp_dtype=amp_dtype, rank=split[0], world_size=split[1])
+                    val_loss = par.evaluate(val_tokens, batch_size=cfg.batch_size * layout.dp,
+                                            block_size=config.block_size, max_batches=cfg.eval_batches,
+                                            amp_dtype=amp_dtype)
                 except Exception:
-                    if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step:
-                        # The steps are done and paid for: keep them before the error ends the run.
-                        if strategy.every_rank_saves or is_main:
-                            strategy.save(out_dir, step=step, keep_last=cfg.keep_last, model=model,
-                                          optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                          data_state=batches.state_dict(),
-                                          extra={"train_config": train_config, "val_loss": None})
+                    if checkpoint_due:
+                        save(step, None)  # the steps are done and paid for: keep them before the error ends the run
                     raise
                 evals.append({"kind": "eval", "step": step, "val_loss": val_loss})
                 if logger:
@@ -359,12 +445,8 @@ def train(cfg: TrainConfig) -> dict:
                     rank_log.info(f"step {step} | val loss {val_loss:.4f}")
                 if cfg.log_interval and is_main:
                     bar.write(f"step {step:6d} | val loss {val_loss:.4f}")
-            if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step:
-                extra = {"train_config": train_config, "val_loss": evals[-1]["val_loss"] if evals else None}
-                if strategy.every_rank_saves or is_main:
-                    ckpt_path = strategy.save(out_dir, step=step, keep_last=cfg.keep_last, model=model,
-                                              optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                              data_state=batches.state_dict(), extra=extra)
+            if checkpoint_due:
+                ckpt_path = save(step, evals[-1]["val_loss"] if evals else None) or ckpt_path
                 if world_size > 1:
                     dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
     finally:
@@ -373,7 +455,8 @@ def train(cfg: TrainConfig) -> dict:
             logger.close()
     step_times = [r["step_time_s"] for r in history[3:] or history]  # the first steps warm up allocators
     return {
-        "history": history, "evals": evals, "model": model, "model_config": config, "config": cfg,
+        "history": history, "evals": evals, "model": par.model, "model_config": config, "config": cfg,
+        "layout": layout, "parallel": par, "num_params": num_params,
         "start_step": start_step, "final_step": history[-1]["step"] if history else start_step,
         "final_val_loss": evals[-1]["val_loss"] if evals else None, "device": str(device),
         "median_tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
@@ -413,6 +496,7 @@ def main(argv=None) -> dict:
         cfg = config_from_args(args)
     except ValueError as err:
         parser.error(str(err))
+    owns_group = cfg.distributed and not dist.is_initialized()  # a launcher's group outlives this run
     try:
         result = train(cfg)
     except INPUT_ERRORS as err:
@@ -420,18 +504,31 @@ def main(argv=None) -> dict:
             raise
         parser.exit(2, f"{parser.prog}: error: {err}\n(--debug shows where it was raised)\n")
     finally:
-        if STRATEGIES[cfg.strategy].distributed:
+        if owns_group:
             cleanup()
     if result["rank"] != 0:
         return result
     val = result["final_val_loss"]
     ranks = f" x {result['world_size']} ranks" if result["world_size"] > 1 else ""
-    print(f"{result['model'].num_params():,}-parameter model on {result['device']}{ranks}: steps {result['start_step']} -> "
-          f"{result['final_step']}" + (f", final val loss {val:.4f}" if val is not None else ""))
+    layout = f" (layout {result['layout'].name()})" if result["world_size"] > 1 else ""
+    print(f"{result['num_params']:,}-parameter model on {result['device']}{ranks}: steps {result['start_step']} -> "
+          f"{result['final_step']}" + (f", final val loss {val:.4f}" if val is not None else "") + layout)
     if result["median_tokens_per_s"]:
         print(f"median {result['median_tokens_per_s']:,.0f} tokens/s ({torch.get_num_threads()} threads)")
     print(f"checkpoint: {result['checkpoint']}; metrics: {result['metrics_path']}")
     return result
+
+
+def run_cli(argv: list[str]) -> dict:
+    """main(argv) on this rank, returning what can travel back to a launcher (course_lib.runtime.launch): the
+    per-step records, the evaluations, the steps run, the checkpoint and the layout's name.
+
+        launch(run_cli, 8, args=(["--dp", "2", "--tp", "2", "--pp", "2", "--max_steps", "20"],))
+    """
+    result = main(argv)
+    return {"history": result["history"], "evals": result["evals"], "start_step": result["start_step"],
+            "final_step": result["final_step"], "layout": result["layout"].name(), "rank": result["rank"],
+            "checkpoint": None if result["checkpoint"] is None else str(result["checkpoint"])}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from course_lib.core.data import RandomBatches
 from course_lib.core.device import select_device
 from course_lib.core.model import GPTConfig
 from course_lib.core.optim import get_lr
+from course_lib.parallel import Parallelized
 from course_lib.runtime.demo_workers import allreduce_demo
 from course_lib.runtime.env import init_distributed, rank_device
 from course_lib.runtime.launch import launch
@@ -102,7 +103,7 @@ def test_a_changed_lr_on_resume_is_applied_and_said(tmp_path, capsys):
 
 def test_a_resume_with_another_global_batch_names_the_ranks_and_the_batch(tmp_path):
     train(quick(tmp_path, max_steps=2))
-    with pytest.raises(ValueError, match=r"global batch of 4 rows.*--batch_size 8 x 1 rank\(s\) = 8"):
+    with pytest.raises(ValueError, match=r"global batch of 4 rows.*--batch_size 8 x 1 replica\(s\) = 8"):
         train(quick(tmp_path, max_steps=4, batch_size=8, resume=True))
 
 
@@ -110,7 +111,7 @@ def test_a_failing_final_evaluation_still_leaves_the_final_checkpoint(tmp_path, 
     def broken(*args, **kwargs):
         raise RuntimeError("evaluation failed")
 
-    monkeypatch.setattr(train_module, "evaluate", broken)
+    monkeypatch.setattr(Parallelized, "evaluate", broken)
     with pytest.raises(RuntimeError, match="evaluation failed"):
         train(quick(tmp_path, max_steps=3))
     assert load_checkpoint(tmp_path / "run" / LATEST, restore_rng=False)["step"] == 3

@@ -295,8 +295,9 @@ def clear_checkpoints(directory) -> list[Path]:
 
 
 EARLIER_RUNS = "earlier_runs"
-RUN_FILES = ("metrics.jsonl", "tb")
-"""What a training run writes next to its checkpoints (course_lib.core.metrics): moved with them."""
+RUN_FILES = ("metrics.jsonl", "tb", "latest.dcp")
+"""What a training run writes next to its checkpoints (course_lib.core.metrics; the pointer to its newest
+distributed checkpoint, course_lib.checkpoint.distributed): moved with them."""
 
 
 def move_earlier_run(directory) -> Path | None:
@@ -307,8 +308,8 @@ def move_earlier_run(directory) -> Path | None:
     either: nothing is lost, and the earlier run stays readable (evaluate.py, read_metrics) where it went.
     """
     directory = Path(directory)
-    found = list_checkpoints(directory) + [p for p in [directory / LATEST, *(directory / f for f in RUN_FILES)]
-                                           if p.exists()]
+    found = list_checkpoints(directory) + sorted(directory.glob("ckpt_step*.dcp")) + [
+        p for p in [directory / LATEST, *(directory / f for f in RUN_FILES)] if p.exists()]
     if not found:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")

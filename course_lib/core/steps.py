@@ -1,7 +1,8 @@
 """One optimizer step and one evaluation: the pieces every training strategy shares.
 
-`train_step` works on a plain model and on a data-parallel wrapper alike: pass the wrapper's `no_sync` so only
-the last micro-batch's backward communicates. `evaluate` can split its batches over ranks.
+`train_step` works on a plain model, on a data-parallel wrapper (pass its `no_sync` so only the last
+micro-batch's backward communicates) and on any layout's course_lib.parallel.Parallelized, which runs the forward
+and backward (a pipeline schedule, gradient averaging) and the global gradient norm its own way. `evaluate` can split its batches over ranks.
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ def train_step(model, micro_batches, optimizer, scheduler=None, *, scaler=None, 
     Returns {"loss": mean micro-batch loss, "grad_norm": norm before clipping, "lr": lr used}.
     """
     lr = optimizer.param_groups[0]["lr"]
-    loss = accumulate_gradients(model, micro_batches, amp_dtype=amp_dtype, scaler=scaler, no_sync=no_sync)
+    parallel = hasattr(model, "forward_backward")  # a course_lib.parallel.Parallelized: its layout does the work
+    if parallel:
+        loss = model.forward_backward(micro_batches, amp_dtype=amp_dtype, scaler=scaler)
+    else:
+        loss = accumulate_gradients(model, micro_batches, amp_dtype=amp_dtype, scaler=scaler, no_sync=no_sync)
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
-    grad_norm = clip_gradients(model.parameters(), grad_clip)
+    grad_norm = model.clip_grad_norm(grad_clip) if parallel else clip_gradients(model.parameters(), grad_clip)
     if scaler is not None:
         scaler.step(optimizer)  # skips the step if the unscaled gradients hold inf/NaN
         scaler.update()
@@ -63,11 +68,12 @@ def train_step(model, micro_batches, optimizer, scheduler=None, *, scaler=None, 
 
 @torch.no_grad()
 def evaluate(model, tokens, *, batch_size: int, block_size: int, max_batches: int | None, amp_dtype=None,
-             rank: int = 0, world_size: int = 1) -> float:
+             rank: int = 0, world_size: int = 1, group=None) -> float:
     """Mean loss over the first max_batches deterministic validation batches (eval mode, no grad).
 
     With world_size > 1 each rank evaluates every world_size-th batch and the sums are all-reduced, so every
-    rank returns the same value as one process evaluating all batches. Pass the unwrapped model.
+    rank returns the same value as one process evaluating all batches (`group`: the ranks that split them,
+    default all). Pass the unwrapped model.
     """
     was_training = model.training
     model.eval()
@@ -84,6 +90,6 @@ def evaluate(model, tokens, *, batch_size: int, block_size: int, max_batches: in
     model.train(was_training)
     if world_size > 1:
         sums = torch.tensor([total, rows], dtype=torch.float64, device=device)
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=group)
         total, rows = sums.tolist()
     return total / rows

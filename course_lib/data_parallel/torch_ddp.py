@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from course_lib.core.data import load_tokens, prepare_tokens
 from course_lib.core.optim import configure_optimizer
+from course_lib.data_parallel.scratch import BucketedDataParallel
 from course_lib.runtime.env import get_dist_info
 from course_lib.testing import flat_parameters, global_batches, seeded_gpt
 
@@ -33,14 +34,21 @@ log = logging.getLogger("course")
 _DDP_ARGUMENTS = set(inspect.signature(DistributedDataParallel.__init__).parameters)
 
 
-def apply_ddp(model: nn.Module, device: torch.device | None = None, group=None) -> DistributedDataParallel:
-    """torch DDP over `group` (default: all ranks) on the model's device (one GPU per rank: device_ids; on the
-    CPU: none). Returns the wrapper to train through; `model` stays the plain module (its state dict, evaluation).
+def apply_ddp(model: nn.Module, device: torch.device | None = None, group=None, impl: str = "torch") -> nn.Module:
+    """Data parallelism over `group` (default: all ranks): torch DDP (impl="torch") on the model's device (one GPU
+    per rank: device_ids; on the CPU: none), or the course's BucketedDataParallel (impl="scratch", from
+    course_lib.data_parallel.scratch: call its finish_gradient_sync() after backward). Returns the wrapper to
+    train through; `model` stays the plain module (its state dict, evaluation).
 
     No buffer sync before each forward: the model's only buffers are the rotary cos/sin tables, computed
     identically on every rank, so re-sending rank 0's copy before every forward (DDP's default) would be wasted
     traffic. torch 2.13 names that switch forward_sync_buffers (broadcast_buffers before it, now deprecated).
     """
+    if impl == "scratch":
+        return BucketedDataParallel(model, group=group)
+    if impl != "torch":
+        raise ValueError(f"impl must be 'torch' (DistributedDataParallel) or 'scratch' (BucketedDataParallel), "
+                         f"got {impl!r}")
     device = device or next(model.parameters()).device
     no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGUMENTS
                        else {"broadcast_buffers": False})

@@ -53,6 +53,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from course_lib.core.checks import positive_ints
 from course_lib.core.model import GPT, PRESETS, GPTConfig
@@ -188,6 +189,11 @@ def korthikanti_bytes_per_layer(seq_len: int, batch: int, hidden: int, heads: in
     return s * b * h * per_sbh
 
 
+def _storage(t: torch.Tensor):
+    """The memory behind `t`; a DTensor (tensor parallelism) has none of its own: its local shard's."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+
 @contextmanager
 def count_saved_bytes(exclude=(), on_save=None):
     """Count the bytes autograd saves for backward inside the block; yields {"bytes", "excluded_bytes"}.
@@ -197,11 +203,11 @@ def count_saved_bytes(exclude=(), on_save=None):
     Counted storages stay referenced until the block ends, so a freed address cannot be reused by a new
     tensor and then be skipped as already seen. on_save(tensor, nbytes) is called for each counted storage.
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    skip = {_storage(t).data_ptr() for t in exclude}
     seen, keep, counter = set(), [], {"bytes": 0, "excluded_bytes": 0}
 
     def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
+        storage = _storage(t)
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if ptr in seen or not nbytes:
             return t

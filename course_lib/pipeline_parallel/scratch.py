@@ -113,7 +113,8 @@ def tied_weight_group(n_stages: int):
 def broadcast_tied_weight(stage: GPTStage, group) -> None:
     """Start both copies of the tied matrix equal: the last stage takes the first stage's values."""
     if stage.n_stages > 1 and stage.tied_weight is not None:
-        dist.broadcast(stage.tied_weight.data, src=0, group=group)
+        first = 0 if group is None else dist.get_global_rank(group, 0)  # the first stage: group rank 0
+        dist.broadcast(stage.tied_weight.data, src=first, group=group)
 
 
 def allreduce_tied_grad(stage: GPTStage, group) -> int:
@@ -141,13 +142,17 @@ class PipelineRunner:
     (saved tensors of the micro-batches alive at once, counted with saved_tensors_hooks).
     """
 
-    def __init__(self, stage: GPTStage, schedule: str, micro_batches: int):
+    def __init__(self, stage: GPTStage, schedule: str, micro_batches: int, group=None):
         self.stage, self.micro_batches = stage, micro_batches
         self.actions = schedule_actions(schedule, stage.n_stages, stage.stage, micro_batches)
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if world_size != stage.n_stages or (dist.is_initialized() and dist.get_rank() != stage.stage):
-            raise ValueError(f"the pipeline has {stage.n_stages} stages but WORLD_SIZE={world_size}: "
-                             "run one rank per stage, stage index = rank")
+        world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        if world_size != stage.n_stages or (dist.is_initialized() and dist.get_rank(group) != stage.stage):
+            where = "WORLD_SIZE" if group is None else "the pipeline group's size"
+            raise ValueError(f"the pipeline has {stage.n_stages} stages but {where} is {world_size}: "
+                             "run one rank per stage, stage index = rank in the group")
+        # The global rank of each stage: with a group (the 'pp' dimension of a larger mesh) stage s is not rank s.
+        self.peers = ([dist.get_global_rank(group, s) for s in range(stage.n_stages)] if group is not None
+                      else list(range(stage.n_stages)))
         # Weights and rope tables are saved for backward too, but they are not activations: skip their storage.
         self.state = [*stage.parameters(), *stage.buffers()]
         self.device = next(stage.parameters()).device
@@ -166,10 +171,10 @@ class PipelineRunner:
         if send is not None:
             tensor, peer, tag, kind = send
             self.bytes_sent[kind] += tensor.numel() * tensor.element_size()
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, tag=tag))
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), self.peers[peer], tag=tag))
         if recv is not None:
             buffer = torch.empty(recv[0], device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, recv[1], tag=recv[2]))
+            ops.append(dist.P2POp(dist.irecv, buffer, self.peers[recv[1]], tag=recv[2]))
         works = dist.batch_isend_irecv(ops)
         if recv is None:
             self.pending_works += works  # a lone send completes in the background; waited for at the end
@@ -230,6 +235,23 @@ class PipelineRunner:
         for work in self.pending_works:
             work.wait()
         return sum(losses) / m if stage.is_last else None
+
+    @torch.no_grad()
+    def forward_loss(self, tokens: torch.Tensor) -> float | None:
+        """The loss of the (B, T) batch without backward (evaluation): the whole batch goes through the stages
+        in order, one message per boundary. The last stage returns the loss, the others None."""
+        stage, s = self.stage, self.stage.stage
+        tokens = tokens.to(self.device)
+        if stage.is_first:
+            x = tokens
+        else:
+            x = torch.empty((*tokens.shape, stage.config.n_embd), device=self.device)
+            dist.recv(x, src=self.peers[s - 1])
+        y = stage(x)
+        if not stage.is_last:
+            dist.send(y.contiguous(), dst=self.peers[s + 1])
+            return None
+        return shifted_cross_entropy(y, tokens).item()
 
 
 def main(argv=None):

@@ -239,7 +239,15 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------------------ the step
     def step(self) -> None:
         """AdamW on this rank's shard, then publish the new parameters to every rank."""
-        grad = self._my_gradient()
+        self.update(self._my_gradient())
+
+    def averaged_gradient(self) -> torch.Tensor:
+        """This rank's shard of the gradient averaged over the ranks (fp32), for a caller that clips it before
+        `update`: step() = update(averaged_gradient()). Call once per step, after backward."""
+        return self._my_gradient()
+
+    def update(self, grad: torch.Tensor) -> None:
+        """AdamW on this rank's shard with `grad` (from averaged_gradient), then publish the new parameters."""
         if self.master is not None:  # mixed: update the fp32 master, compute with its bf16 copy
             self.adam.step(self.master, grad)
             self._publish(self.master.to(self.dtype))

@@ -166,9 +166,8 @@ class Zero3Optimizer(ZeroOptimizer):
         if all(p in self.ready for p in unit.params):
             self._free(unit)
 
-    def step(self) -> None:
+    def update(self, grad: torch.Tensor) -> None:
         """AdamW on the shard. No all-gather: the next forward gathers each unit when it needs it."""
-        grad = self._my_gradient()
         if self.master is not None:
             self.adam.step(self.master, grad)
             self.param_shard.copy_(self.master)

@@ -90,14 +90,18 @@ def apply_dtensor_tp(model: GPT, mesh: DeviceMesh, fuse_region_input: bool = Tru
     With sequence_parallel the embedding output is cut along the sequence (each rank keeps its tokens, no
     communication) and the final norm's output is all-gathered before the replicated lm_head.
     """
-    if not isinstance(model, GPT):
-        raise TypeError(f"apply_dtensor_tp expects a course_lib.core.model.GPT, got {type(model).__name__}")
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(model, GPT) and not isinstance(blocks, nn.ModuleDict):
+        raise TypeError(f"apply_dtensor_tp expects a course_lib.core.model.GPT or a pipeline stage of one "
+                        f"(course_lib.pipeline_parallel.scratch.GPTStage), got {type(model).__name__}")
+    if sequence_parallel and not isinstance(model, GPT):
+        raise ValueError("sequence parallelism needs the whole GPT (its embedding and final norm), not a stage")
     if mesh.ndim != 1:
         raise ValueError(f"apply_dtensor_tp needs a 1-D tensor-parallel mesh, got {mesh.ndim} dimensions; "
                          "pass mesh['tp'] of a larger mesh")
     check_tensor_parallel_config(model.config, mesh.size())
     plan = block_plan(fuse_region_input, sequence_parallel)
-    for block in model.blocks:
+    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
         parallelize_module(block, mesh, plan)
     if sequence_parallel:
         parallelize_module(model, mesh, {

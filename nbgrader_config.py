@@ -28,13 +28,13 @@ c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 # `.venv/bin/python -m nbgrader` (scripts/grading.py does): course_lib must be importable there.
 
 # Autograding runs each exercise's tests on the learner's answer cells in a fresh process, after an audit
-# of the answer (course_lib/grading/), instead of executing the submission in the learner's kernel: what a
+# of the answer (course_tools/grading/), instead of executing the submission in the learner's kernel: what a
 # learner's cell does to a kernel (rebinding the checks, AST transformers) cannot reach the tests there.
 from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
 from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern,  # noqa: E402
                                     LimitOutput, SaveAutoGrades)
 
-from course_lib.grading.nbgrader_hook import GradeInSandbox  # noqa: E402
+from course_tools.grading.nbgrader_hook import GradeInSandbox  # noqa: E402
 
 c.Autograde.autograde_preprocessors = [GradeInSandbox, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
                                        SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]

@@ -12,12 +12,12 @@ load average is read when the section starts: above the number of cores, other p
 CPU and the figures drop by far more than their share (the threads of every operator wait for each
 other), so measure on a quiet machine; the machine line then says "busy machine".
 
-How the figures are taken is in the modules that take them, one per section in course_lib/bench/: compute
+How the figures are taken is in the modules that take them, one per section in course_tools/bench/: compute
 (matmul ceiling, training tokens/s and fraction of the ceiling), profile, attention, comm (all-reduce
 bandwidth, data-parallel throughput), sharding (model-state bytes per rank of DDP, ZeRO and FSDP), parallel
-(step time and bytes communicated by DP, TP and PP); tables, printing and JSON in course_lib.bench.report.
+(step time and bytes communicated by DP, TP and PP); tables, printing and JSON in course_tools.bench.report.
 
-To add a section: write `run_<name>(opts: Options) -> Table | list[Table]` in a course_lib/bench/<topic>.py
+To add a section: write `run_<name>(opts: Options) -> Table | list[Table]` in a course_tools/bench/<topic>.py
 module and add one Section line to SECTIONS below; --only, --list, --quick and --json then cover it.
 """
 
@@ -29,13 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-from course_lib.bench.attention import run_attention
-from course_lib.bench.comm import run_comm
-from course_lib.bench.compute import run_matmul, run_train, run_versus
-from course_lib.bench.parallel import run_parallel
-from course_lib.bench.profile import run_profile
-from course_lib.bench.report import Options, Section, as_tables, format_section, section_json
-from course_lib.bench.sharding import run_sharding
+from course_tools.bench.attention import run_attention
+from course_tools.bench.comm import run_comm
+from course_tools.bench.compute import run_matmul, run_train, run_versus
+from course_tools.bench.parallel import run_parallel
+from course_tools.bench.profile import run_profile
+from course_tools.bench.report import Options, Section, as_tables, format_section, section_json
+from course_tools.bench.sharding import run_sharding
 from course_lib.observability.timing import machine_info, setup_threads
 
 SECTIONS = [

@@ -20,8 +20,6 @@ TOP_LEVEL_MODULES = {"__init__", "train", "evaluation", "nbtools", "testing"}
 FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str], str] = {
     ("course_lib.pipeline_parallel.workers", "course_lib.pipeline_parallel.torch_pipelining"):
         "torch.distributed.pipelining takes ~1.7 s to import: only the ranks that run torch's schedules pay it",
-    ("course_lib.grading.sandbox", "course_lib.runtime.launch"):
-        "nbgrader_config.py imports the grading hook for every nbgrader command; torch is imported only to grade",
 }
 
 
@@ -134,10 +132,31 @@ def test_no_import_cycles():
     assert cycles(GRAPH) == []
 
 
+def test_no_import_runs_back_up_between_packages():
+    """Sub-packages stand on floors: none imports one that imports it back, however indirectly."""
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    packages: dict[str, set[str]] = {}
+    for importer, imports in GRAPH.items():  # course_lib itself only re-exports lazily (and gives lazy_exports)
+        packages.setdefault(package(importer), set()).update(
+            package(m) for m in imports if package(m) not in (package(importer), "course_lib"))
+    assert cycles(packages) == []
+
+
+def test_the_learners_library_holds_no_grading_or_bench_code():
+    """Grading and benchmarks live in course_tools, which imports course_lib; course_lib never imports it."""
+    assert not any(name.split(".")[1:2] in (["grading"], ["bench"]) for name in MODULES)
+    importers = sorted(name for name, path in MODULES.items() if "course_tools" in path.read_text()
+                       and re.search(r"^\s*(from|import) course_tools", path.read_text(), re.M))
+    assert importers == []
+    assert (REPO_ROOT / "course_tools" / "grading" / "sandbox.py").is_file()
+    assert (REPO_ROOT / "course_tools" / "bench" / "report.py").is_file()
+
+
 def test_only_workers_benchmarks_and_packages_import_workers():
     offenders = sorted((importer, imported) for importer, imports in GRAPH.items() for imported in imports
-                       if is_worker(imported) and not is_worker(importer)
-                       and not importer.startswith("course_lib.bench"))
+                       if is_worker(imported) and not is_worker(importer))
     assert offenders == []
 
 

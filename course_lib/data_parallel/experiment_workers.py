@@ -30,6 +30,7 @@ from course_lib.data_parallel.loading import make_loader, rank_dataset
 from course_lib.data_parallel.scratch import BucketedDataParallel, broadcast_parameters
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.data_parallel.workers import GRADIENT_SYNCS, data_parallel_run, ring_allreduce_check, timed_sync_step
+from course_lib.observability.profiling import make_setup, medians, run_step
 from course_lib.runtime.collectives import slowest
 from course_lib.runtime.env import get_dist_info
 from course_lib.runtime.launch import run_each
@@ -286,3 +287,55 @@ def scaling_sweep(world_sizes=(1, 2, 4), steps: int = 10, warmup: int = 2, micro
                       "grad_bytes": 4 * model.num_params(),
                       "tokens_per_s": n * micro_batch * seq_len / step_s, "params": flat_parameters(model)}
     return {"rank": info.rank, "threads": torch.get_num_threads(), "groups": results}
+
+
+def allreduce_gradients_flat(model) -> int:
+    """Average every gradient over the ranks with ONE all-reduce of a flat buffer (as one DDP bucket).
+    Returns the bytes all-reduced."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat.numel() * flat.element_size()
+
+
+def ddp_step_breakdown(preset: str = "tiny", batch_size: int = 16, steps: int = 10, warmup: int = 2, seed: int = 0,
+                       data_dir: str | None = None, return_params: bool = False) -> dict:
+    """Rank worker: phase medians with the all-reduce as its own phase, and torch DDP's overlapped step.
+
+    Steps alternate A B A B (same machine load for both):
+    A "separate": forward and backward under DDP's no_sync (no communication), then one timed all-reduce
+      of all gradients: data + forward + backward + communication + optimizer, nothing overlapped;
+    B "ddp": a normal DDP step, whose bucketed all-reduce runs while backward still computes.
+    The all-reduce waits for the slowest rank, so "communication" includes any imbalance between ranks.
+    return_params: also return the trained parameters, flattened (replicas must be identical).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer, batches = make_setup(preset, batch_size, data_dir=data_dir, seed=seed, rank=rank)
+    ddp = apply_ddp(model)  # no buffer sync before each forward: the rotary tables are constants
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def separate():
+        return run_step(ddp, optimizer, batches, forward_context=ddp.no_sync,
+                        communicate=lambda: allreduce_gradients_flat(model))
+
+    def overlapped():
+        return run_step(ddp, optimizer, batches)
+
+    for _ in range(warmup):
+        separate(), overlapped()
+    samples = {"separate": [], "ddp": []}
+    for _ in range(steps):
+        samples["separate"].append(separate())
+        samples["ddp"].append(overlapped())
+    result = {"rank": rank, "world_size": world_size, "bytes": nbytes, "threads": torch.get_num_threads(),
+              "separate": medians(samples["separate"]), "ddp": medians(samples["ddp"])}
+    algbw = nbytes / result["separate"]["communication"]
+    result["algbw_gb_s"], result["busbw_gb_s"] = algbw / 1e9, algbw * 2 * (world_size - 1) / world_size / 1e9
+    if return_params:
+        result["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return result

@@ -15,7 +15,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                     "parse_nvidia_smi_csv", "gpu_snapshot", "summarise_allocator", "torch_memory", "format_snapshot",
                     "allocator_line"),
     "profiling": ("PHASES", "CATEGORIES", "MATMUL_OPS", "MATMUL_CEILING_N", "GPU_PEAK_TFLOPS", "make_setup",
-                  "run_step", "medians", "step_breakdown", "allreduce_gradients_flat", "ddp_step_breakdown",
+                  "run_step", "medians", "step_breakdown",
                   "without_profiler_banner", "ProfileReport", "profile_steps", "gpu_peak_flops",
                   "throughput_report", "measure_throughput", "format_breakdown", "op_category", "category_shares"),
     "timeline": ("COLORS", "Timeline", "plot_timelines"),

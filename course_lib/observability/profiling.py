@@ -4,8 +4,8 @@ Three views of the same step, from coarse to fine:
 
 1. `run_step` times the phases of one optimizer step with a wall clock: data, forward, backward,
    communication (the gradient all-reduce, with several ranks) and optimizer. `step_breakdown` takes
-   medians over many steps; `ddp_step_breakdown` is the worker that does it on real ranks (launch it
-   with course_lib.runtime.launch) and also times torch DDP's step, whose all-reduce overlaps the backward.
+   medians over many steps; course_lib.data_parallel.experiment_workers.ddp_step_breakdown is the worker that
+   does it on real ranks and also times torch DDP's step, whose all-reduce overlaps the backward.
 2. `profile_steps` runs a few steps under torch.profiler: a table of the operators that took the most
    time, a Chrome trace file (open it in chrome://tracing or https://ui.perfetto.dev) in which every
    phase is a named range, and the shares of the time spent in matmuls, attention, the optimizer,
@@ -32,12 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
 from course_lib.core.optim import configure_optimizer
-from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.observability.timing import machine_line, setup_threads, time_alternating, time_fn
 from course_lib.testing import seeded_gpt
 
@@ -111,58 +109,6 @@ def step_breakdown(model, optimizer, batches, *, steps: int = 10, warmup: int = 
     for _ in range(warmup):
         run_step(model, optimizer, batches)
     return medians([run_step(model, optimizer, batches) for _ in range(steps)])
-
-
-def allreduce_gradients_flat(model) -> int:
-    """Average every gradient over the ranks with ONE all-reduce of a flat buffer (as one DDP bucket).
-    Returns the bytes all-reduced."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return flat.numel() * flat.element_size()
-
-
-def ddp_step_breakdown(preset: str = "tiny", batch_size: int = 16, steps: int = 10, warmup: int = 2, seed: int = 0,
-                       data_dir: str | None = None, return_params: bool = False) -> dict:
-    """Rank worker: phase medians with the all-reduce as its own phase, and torch DDP's overlapped step.
-
-    Steps alternate A B A B (same machine load for both):
-    A "separate": forward and backward under DDP's no_sync (no communication), then one timed all-reduce
-      of all gradients: data + forward + backward + communication + optimizer, nothing overlapped;
-    B "ddp": a normal DDP step, whose bucketed all-reduce runs while backward still computes.
-    The all-reduce waits for the slowest rank, so "communication" includes any imbalance between ranks.
-    return_params: also return the trained parameters, flattened (replicas must be identical).
-    """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model, optimizer, batches = make_setup(preset, batch_size, data_dir=data_dir, seed=seed, rank=rank)
-    ddp = apply_ddp(model)  # no buffer sync before each forward: the rotary tables are constants
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-
-    def separate():
-        return run_step(ddp, optimizer, batches, forward_context=ddp.no_sync,
-                        communicate=lambda: allreduce_gradients_flat(model))
-
-    def overlapped():
-        return run_step(ddp, optimizer, batches)
-
-    for _ in range(warmup):
-        separate(), overlapped()
-    samples = {"separate": [], "ddp": []}
-    for _ in range(steps):
-        samples["separate"].append(separate())
-        samples["ddp"].append(overlapped())
-    result = {"rank": rank, "world_size": world_size, "bytes": nbytes, "threads": torch.get_num_threads(),
-              "separate": medians(samples["separate"]), "ddp": medians(samples["ddp"])}
-    algbw = nbytes / result["separate"]["communication"]
-    result["algbw_gb_s"], result["busbw_gb_s"] = algbw / 1e9, algbw * 2 * (world_size - 1) / world_size / 1e9
-    if return_params:
-        result["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return result
 
 
 def op_category(event) -> str:

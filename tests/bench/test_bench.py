@@ -10,8 +10,8 @@ import bench  # scripts/ is on sys.path (tests/conftest.py)
 import pytest
 from conftest import section_stdout
 
-from course_lib.bench.profile import PROFILE_SHARES
-from course_lib.bench.report import Column, Section, Table, as_tables, format_section, format_table
+from course_tools.bench.profile import PROFILE_SHARES
+from course_tools.bench.report import Column, Section, Table, as_tables, format_section, format_table
 
 
 def test_bench_list_shows_every_section(capsys):

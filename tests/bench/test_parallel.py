@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import section_stdout
 
-from course_lib.bench.parallel import PARALLEL_RANKS, WORKLOAD, expected_payload_bytes, parallel_rows, ring_wire_bytes
-from course_lib.bench.parallel_workers import PARALLEL_STRATEGIES, check_parallel_workload, parallel_bench
+from course_tools.bench.parallel import PARALLEL_RANKS, WORKLOAD, expected_payload_bytes, parallel_rows, ring_wire_bytes
+from course_tools.bench.parallel_workers import PARALLEL_STRATEGIES, check_parallel_workload, parallel_bench
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.pipeline_parallel.schedules import pipeline_comm_bytes
 from course_lib.tensor_parallel.scratch import tp_allreduce_bytes_per_layer

@@ -1,9 +1,9 @@
-"""course_lib.bench.reference_gpt: the GPT-2 of torch built-ins that `make bench` (section vs) measures against."""
+"""course_tools.bench.reference_gpt: the GPT-2 of torch built-ins that `make bench` (section vs) measures against."""
 
 import torch
 import torch.nn.functional as F
 
-from course_lib.bench.reference_gpt import ReferenceGPT
+from course_tools.bench.reference_gpt import ReferenceGPT
 
 
 def test_parameter_count_and_flops_follow_the_gpt2_formulas():

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import section_stdout
 
-from course_lib.bench.sharding import SHARDING_RANKS, WORKLOAD, sharding_rows
-from course_lib.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, PeakProbe, sharding_bench
+from course_tools.bench.sharding import SHARDING_RANKS, WORKLOAD, sharding_rows
+from course_tools.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, PeakProbe, sharding_bench
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.sharding.memory import live_bytes
 

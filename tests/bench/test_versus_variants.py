@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import course_lib.core.model as model_module
-from course_lib.bench.compute import (
+from course_tools.bench.compute import (
     OP_BY_OP,
     WITHOUT_ROPE_AND_RMSNORM,
     _with_formulas,

@@ -14,7 +14,7 @@ math.isclose, and the course_lib function the hidden tests compare with, `librar
 try/except) and `lying objects` (its result compares equal to anything). A notebook with autograded
 cells but no entry fails test_every_graded_notebook_declares_its_mutants.
 
-How it runs: every mutant is graded against its own exercise only, by course_lib.grading.grade (the step
+How it runs: every mutant is graded against its own exercise only, by course_tools.grading.grade (the step
 nbgrader's autograde runs, see nbgrader_config.py), all mutants of a notebook in one grading sandbox (one
 start-up, one forked check per mutant). nbgrader itself then autogrades four submissions per notebook,
 side by side in two scratch courses: the solutions, the untouched release, and a mixed one (each
@@ -38,7 +38,7 @@ import grading  # scripts/ is on sys.path (tests/conftest.py)
 import nbformat
 import pytest
 
-from course_lib.grading import grade, read_exercises, without_markers
+from course_tools.grading import grade, read_exercises, without_markers
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.grading.audit import audit
+from course_tools.grading.audit import audit
 
 REFERENCE_FUNCTION = '''
 def causal_attention(q, k, v):

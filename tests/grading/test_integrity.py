@@ -14,7 +14,7 @@ import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_notebook
 
-from course_lib.grading import grade
+from course_tools.grading import grade
 from course_lib.runtime.integrity import GRADING_VARIABLE, IntegrityError, Snapshot
 from course_lib.runtime.launch import RankFailure, launch
 

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from course_lib.grading import answers_in, grade, read_exercises
+from course_tools.grading import answers_in, grade, read_exercises
 
 
 def cell(source: str, grade_id: str | None = None, *, solution=False, test_points=None, locked=False, tags=()):

@@ -11,10 +11,10 @@ import warnings
 import pytest
 import torch
 
+from course_lib.data_parallel.experiment_workers import ddp_step_breakdown
 from course_lib.observability.profiling import (
     CATEGORIES,
     PHASES,
-    ddp_step_breakdown,
     format_breakdown,
     gpu_peak_flops,
     make_setup,

@@ -22,7 +22,7 @@ from course_lib.data_parallel.loading import (
 )
 from course_lib.observability.experiment_log import read_tensorboard_scalars
 from course_lib.runtime.collectives import gather_to_rank0, mean_over_ranks, rank_tag
-from course_lib.runtime.demo_workers import barrier_race, train_logged
+from course_lib.checkpoint.workers import barrier_race, train_logged
 from course_lib.runtime.launch import RankFailure, launch
 
 pytestmark = pytest.mark.distributed

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench.py --only comm --quick    # ~30 s: fewer sizes, steps and turns
 
 Both tables come from real ranks started with course_lib.runtime.launch (gloo over loopback TCP), running the
-workers of course_lib.bench.comm_workers:
+workers of course_tools.bench.comm_workers:
 
 - all_reduce: torch.distributed.all_reduce (gloo) and the course's ring (course_lib.runtime.collectives: send/recv from
   Python) on 1-64 MiB of fp32 at 2 and 4 ranks; the two take turns at every size. algbw = bytes / median
@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-from course_lib.bench.comm_workers import allreduce_bandwidth, ddp_throughput
-from course_lib.bench.report import Column, Options, Table
+from course_tools.bench.comm_workers import allreduce_bandwidth, ddp_throughput
+from course_tools.bench.report import Column, Options, Table
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.observability.timing import Timing
 from course_lib.runtime.launch import launch

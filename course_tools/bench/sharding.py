@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench.py --only sharding --quick    # ~20 s: tiny preset, 3 timed steps
 
 One launch per world size (course_lib.runtime.launch, gloo, 1 thread per rank) runs the worker of
-course_lib.bench.sharding_workers: every strategy trains its own copy of the same model on the same global
+course_tools.bench.sharding_workers: every strategy trains its own copy of the same model on the same global
 batches, one step each per round, each right after every other equally often. Per rank, right after the last
 optimizer step, the live tensors of parameters, gradients and optimizer states are counted
 (course_lib.sharding.memory) and compared with the formulas: course_lib.sharding.memory.expected_model_states (DDP,
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 
-from course_lib.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
+from course_tools.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
                                      ranks_setup, strategy_rows)
-from course_lib.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, sharding_bench
+from course_tools.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, sharding_bench
 from course_lib.observability.timing import Timing
 from course_lib.sharding.memory import KINDS
 
@@ -75,7 +75,7 @@ def run_sharding(opts: Options, strategies=DATA_PARALLEL_STRATEGIES) -> Table:
         "expected_fsdp_model_states (FSDP2 pads every parameter's dim 0 to a multiple of N); '=' is yes when "
         "every rank's params, grads and optim equal its formula to the byte. vs DDP = total / DDP's total.",
         "peak params / peak grads: the most bytes of parameters / gradients held at once during forward and "
-        "backward (course_lib.bench.sharding_workers.PeakProbe, in the last warm-up step): ZeRO-3 and FSDP "
+        "backward (course_tools.bench.sharding_workers.PeakProbe, in the last warm-up step): ZeRO-3 and FSDP "
         "FULL_SHARD add to their shards only the units gathered at that moment (a block, the embedding tied to "
         "lm_head), SHARD_GRAD_OP keeps the whole gathered model from forward to backward, ZeRO-2/3 hold a full "
         "gradient only until it is reduce-scattered. Activations and the "

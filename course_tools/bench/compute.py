@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import course_lib.core.model as model_module
-from course_lib.bench.reference_gpt import ReferenceGPT
-from course_lib.bench.report import Column, Options, Table
+from course_tools.bench.reference_gpt import ReferenceGPT
+from course_tools.bench.report import Column, Options, Table
 from course_lib.core.fused import rms_norm_reference, rotary_reference, swiglu_reference
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.optim import configure_optimizer
@@ -265,7 +265,7 @@ rotary embedding (a cost breakdown, not a model to train)."""
 
 
 def run_versus(opts: Options) -> Table:
-    """The course GPT against a plain GPT-2 of torch built-ins (course_lib.bench.reference_gpt) at equal dims.
+    """The course GPT against a plain GPT-2 of torch built-ins (course_tools.bench.reference_gpt) at equal dims.
 
     Both train in fp32 with torch's default AdamW, eager and (without --quick) under torch.compile, all
     timed in alternation with the matmul ceiling; the figure of merit is achieved model GFLOP/s,

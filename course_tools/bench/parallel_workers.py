@@ -2,7 +2,7 @@
 parallelism, all trained in the same ranks and taking turns step by step.
 
     from course_lib.runtime.launch import launch
-    from course_lib.bench.parallel_workers import parallel_bench
+    from course_tools.bench.parallel_workers import parallel_bench
     ranks = launch(parallel_bench, 2, kwargs=dict(preset="tiny", config_overrides={"n_layer": 4}, steps=3),
                    threads_per_rank=1)
     ranks[0]["strategies"]["TP"]["payload_bytes"]   # bytes rank 0 handed to all-reduce, per timed step

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_lib.bench.report import Column, Options, Table
+from course_tools.bench.report import Column, Options, Table
 from course_lib.core.model import causal_attention
 from course_lib.memory.activations import count_saved_bytes
 from course_lib.observability.timing import time_alternating

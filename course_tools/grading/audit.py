@@ -57,7 +57,7 @@ BUILTIN_VALUE_TYPES = frozenset({"int", "float", "complex", "bool", "str", "byte
                                  "dict", "set", "frozenset", "type", "object", "super", "property"})
 BUILTIN_NAMES = frozenset(dir(builtins))
 SELF_NAMES = frozenset({"self", "cls", "ctx"})
-REFUSED_CONTEXT_MODULES = ("unittest", "course_lib", "importlib", "inspect", "sys", "builtins")
+REFUSED_CONTEXT_MODULES = ("unittest", "course_lib", "course_tools", "importlib", "inspect", "sys", "builtins")
 """An answer may use a setup name from these only where the reference answer uses it too."""
 
 

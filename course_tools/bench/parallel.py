@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench.py --only parallel --quick    # ~20 s: tiny preset with 4 layers, 3 timed steps
 
 One launch per world size (course_lib.runtime.launch, gloo, 1 thread per rank) runs the worker of
-course_lib.bench.parallel_workers: data parallelism (torch DDP), tensor parallelism
+course_tools.bench.parallel_workers: data parallelism (torch DDP), tensor parallelism
 (course_lib.tensor_parallel.scratch) and pipeline parallelism (course_lib.pipeline_parallel.scratch, 1F1B and GPipe)
 each train their own copy of the same model on the same global batches, one step each per round, in an order
 that changes every round (each strategy runs right after every other equally often). Each rank counts the bytes
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import os
 
-from course_lib.bench.parallel_workers import PP_SCHEDULES, PARALLEL_STRATEGIES, parallel_bench
-from course_lib.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
+from course_tools.bench.parallel_workers import PP_SCHEDULES, PARALLEL_STRATEGIES, parallel_bench
+from course_tools.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
                                      ranks_setup, strategy_rows)
 from course_lib.core.model import GPTConfig
 from course_lib.observability.timing import Timing

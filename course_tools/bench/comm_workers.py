@@ -1,7 +1,7 @@
 """Rank workers that measure communication and data-parallel throughput (used by `make bench`).
 
     from course_lib.runtime.launch import launch
-    from course_lib.bench.comm_workers import allreduce_bandwidth, ddp_throughput
+    from course_tools.bench.comm_workers import allreduce_bandwidth, ddp_throughput
     rows = launch(allreduce_bandwidth, world_size=2)[0]                  # list of {impl, size_mib, algbw_gbs, ...}
     result = launch(ddp_throughput, world_size=2, threads_per_rank=1)[0]
 

@@ -2,10 +2,10 @@
 process, after an audit of the answer's code, with the setup and the tests taken from the instructor's
 notebook (sandbox.py explains why and how; audit.py lists what an answer may not do).
 
-    from course_lib.grading import grade, answers_in
+    from course_tools.grading import grade, answers_in
     results = grade("solutions/session_a/02_model_from_scratch.ipynb", {"alice": answers_in(notebook)})
 
-nbgrader uses it through `course_lib.grading.nbgrader_hook.GradeInSandbox`, the autograde step that
+nbgrader uses it through `course_tools.grading.nbgrader_hook.GradeInSandbox`, the autograde step that
 nbgrader_config.py puts in place of nbgrader's in-kernel execution.
 """
 

@@ -2,7 +2,7 @@
 a step takes, all trained in the same ranks and taking turns step by step.
 
     from course_lib.runtime.launch import launch
-    from course_lib.bench.sharding_workers import sharding_bench
+    from course_tools.bench.sharding_workers import sharding_bench
     ranks = launch(sharding_bench, 2, kwargs=dict(preset="tiny", steps=3), threads_per_rank=1)
     ranks[0]["strategies"]["ZeRO-2"]["memory"]      # bytes rank 0 holds right after its last optimizer step
 

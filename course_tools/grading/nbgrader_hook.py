@@ -2,7 +2,7 @@
 
 nbgrader_config.py puts `GradeInSandbox` in place of nbgrader's `Execute` in `Autograde.autograde_preprocessors`.
 nbgrader has already replaced every read-only cell and test cell of the submission with the instructor's
-version; this step then grades each test cell with course_lib.grading.sandbox.grade (the learner's answer
+version; this step then grades each test cell with course_tools.grading.sandbox.grade (the learner's answer
 cells only, in a fresh process, after an audit) and writes what the check printed into the test cell,
 followed by an error output when it failed. nbgrader's SaveAutoGrades reads those outputs as usual: an
 error scores 0, a clean cell its points. The notebook's other cells are not executed while grading.
@@ -16,12 +16,12 @@ from nbformat.v4 import new_output
 from nbgrader.preprocessors import NbGraderPreprocessor
 from traitlets import Float, Unicode
 
-from course_lib.grading.exercises import answers_in, nbgrader_metadata
-from course_lib.grading.sandbox import DEFAULT_TIMEOUT_S, grade
+from course_tools.grading.exercises import answers_in, nbgrader_metadata
+from course_tools.grading.sandbox import DEFAULT_TIMEOUT_S, grade
 
 
 class GradeInSandbox(NbGraderPreprocessor):
-    """Grade every autograded test cell of a submission in the sandbox (see course_lib.grading.sandbox)."""
+    """Grade every autograded test cell of a submission in the sandbox (see course_tools.grading.sandbox)."""
 
     source_directory = Unicode("solutions", help="Folder of the instructor notebooks, relative to the course "
                                "root (nbgrader's CourseDirectory.source_directory)").tag(config=True)

@@ -7,7 +7,7 @@ Why: nbgrader runs hidden tests in the learner's own kernel, after the learner's
 change the kernel (an IPython AST transformer that wraps every later cell in try/except), the checks
 (`torch.testing.assert_close = ...`) or the reference they read. Here nothing the learner ran survives:
 
-1. one sandbox process per notebook (`python -m course_lib.grading.sandbox`) runs the notebook's
+1. one sandbox process per notebook (`python -m course_tools.grading.sandbox`) runs the notebook's
    `parameters` and read-only setup cells, taken from the instructor's notebook, never the submission;
 2. for every exercise and submission it reads the learner's answer cells (audit.py refuses what is not an
    answer, with the line and the reason) and forks a child: the child runs only that exercise's answer
@@ -34,10 +34,11 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_lib.grading.audit import audit
-from course_lib.grading.exercises import read_exercises
-from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot, guard_modules, trust
+from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot, guard_modules, trust, trust_folder
+from course_tools.grading.audit import audit
+from course_tools.grading.exercises import read_exercises
 
+trust_folder(Path(__file__).resolve().parents[1])  # course_tools: the code that runs the checks
 DEFAULT_TIMEOUT_S = 150.0
 OUTPUT_LIMIT = 20_000  # characters of a check's output kept (the end, where the failure is)
 
@@ -99,7 +100,7 @@ def grade(source: Path | str, submissions: dict[str, dict[str, str]], *,
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                      env.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory(prefix="grading-") as scratch:
-        process = subprocess.run([sys.executable, "-m", "course_lib.grading.sandbox"], input=json.dumps(job),
+        process = subprocess.run([sys.executable, "-m", "course_tools.grading.sandbox"], input=json.dumps(job),
                                  capture_output=True, text=True, cwd=scratch, env=env,
                                  timeout=60 + len(checks) * (timeout_s + 5))
     for line in process.stdout.splitlines():

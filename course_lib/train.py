@@ -67,7 +67,7 @@ from course_lib.core.model import GPT, PRESETS, GPTConfig
 from course_lib.core.optim import configure_optimizer, make_scheduler
 from course_lib.core.steps import evaluate, train_step
 from course_lib.parallel.layout import DDP_IMPLEMENTATIONS, ZERO_STAGES, Layout, build_mesh
-from course_lib.parallel.parallelize import parallelize
+from course_lib.parallel.compose import parallelize
 from course_lib.pipeline_parallel.schedules import SCHEDULES
 from course_lib.runtime.env import cleanup, init_distributed, setup_rank_logging
 from course_lib.sharding import fsdp

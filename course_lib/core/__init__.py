@@ -15,7 +15,8 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                "autocast_context", "needs_grad_scaler"),
     "metrics": ("METRICS_FILE", "MetricsLogger", "read_metrics"),
     "model": ("ATTENTION_IMPLS", "GPTConfig", "PRESETS", "RMSNorm", "rotate_half", "apply_rotary_pos_emb",
-              "RotaryEmbedding", "MLP", "causal_attention", "CausalSelfAttention", "Block", "next_token_loss", "GPT"),
+              "RotaryEmbedding", "MLP", "causal_attention", "CausalSelfAttention", "Block", "next_token_loss",
+              "GPT"),
     "optim": ("param_groups", "configure_optimizer", "get_lr", "make_scheduler"),
     "steps": ("accumulate_gradients", "clip_gradients", "train_step", "evaluate"),
 })

@@ -7,11 +7,18 @@ rank sees, data loading at scale.
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "exercise_workers": ("check_gradient_averaging", "check_train_step", "gradient_averaging_reference",
+                         "train_steps_one_process"),
+    "experiment_workers": ("bucket_sweep", "data_per_rank", "ddp_step_breakdown", "parity_and_ring",
+                           "scaling_sweep", "world_size_sweep"),
     "loading": ("SHARD_INDEX", "DELAY_KINDS", "shard_name", "TokenWindowDataset", "write_token_shards",
                 "read_shard_index", "rank_shards", "rank_dataset", "make_loader", "PipelineTiming",
                 "time_input_pipeline", "make_train_step", "compare_workers", "ensure_shards"),
     "sampler": ("shard_indices",),
     "scratch": ("broadcast_parameters", "allreduce_gradients", "assign_buckets", "Bucket", "BucketedDataParallel"),
+    "sync_exercise_workers": ("RING_SHAPES", "check_gradient_sync", "check_ring_all_reduce",
+                              "expected_bucket_sizes", "sync_reference"),
     "torch_ddp": ("apply_ddp", "TokenWindows", "recording_allreduce_hook", "ddp_train", "no_sync_accumulation",
                   "train_and_accumulate"),
+    "workers": ("GRADIENT_SYNCS",),
 })

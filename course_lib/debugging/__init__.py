@@ -8,6 +8,7 @@ parameter checksums, collective counts).
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "checks": ("CAUSES", "assert_fixed", "assert_replicas_agree", "assert_windows_shared_out", "diagnosis_of"),
     "jobs": ("JOBS", "script_of"),
-    "run": ("JobRun", "run_job", "one_process", "counting_collectives"),
+    "run": ("JobRun", "run_job", "one_process", "counting_collectives", "DDP_BUCKETS"),
 })

@@ -11,7 +11,7 @@ parallel fastest (consecutive ranks: one node's GPUs), as course_lib.hybrid.layo
     Layout(pp=4, schedule="1f1b", micro_batches=8)
     Layout(dp=2, tp=2, pp=2)                      3D: 8 ranks
 
-course_lib.parallel.parallelize applies it to a model; `python -m course_lib.train --dp 2 --tp 2 --pp 2` trains with it.
+course_lib.parallel.compose applies it to a model; `python -m course_lib.train --dp 2 --tp 2 --pp 2` trains with it.
 """
 
 from __future__ import annotations

@@ -185,3 +185,14 @@ class Zero3Optimizer(ZeroOptimizer):
         all_gather_single(full, self.param_shard, group=self.group)
         return {self.names[p]: full[o:o + p.numel()].view(p.shape).clone() for p, o in
                 zip(self.params, self.layout.offsets)}
+
+
+def apply_zero(model, stage: int, **kwargs) -> ZeroOptimizer:
+    """Shard `model`'s training state with ZeRO `stage` (0-3); kwargs as ZeroOptimizer (lr, weight_decay, ...).
+
+    Stage 3 changes the model in place: its parameters then hold data only between the forward pre-hook
+    that gathers them and the hook that frees them (see course_lib.sharding.zero3).
+    """
+    if stage == 3:
+        return Zero3Optimizer(model, **kwargs)
+    return ZeroOptimizer(model, stage, **kwargs)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.core.model import GPT, GPTConfig
-from course_lib.core.steps import clip_gradients
+from course_lib.core.steps import train_step
 
 
 def seeded_gpt(seed: int = 0, preset: str = "tiny", config: GPTConfig | None = None, **overrides) -> GPT:
@@ -44,20 +44,15 @@ def local_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 def train_whole_batches(model: nn.Module, optimizer, batches, *, grad_clip: float | None = None) -> dict:
     """One process, the whole model, each whole batch: {"grads": first-step gradients, "losses", "params"}.
 
-    grad_clip: clip the global gradient norm before each step (None: no clipping), as core.steps.train_step.
+    grad_clip: clip the global gradient norm before each step (None: no clipping): core.steps.train_step's step.
     """
-    first_grads, losses = None, []
+    first, losses = [], []
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
-        _, loss = model(batch, targets=batch)
-        loss.backward()
-        if first_grads is None:
-            first_grads = gradients(model)
-        if grad_clip is not None:
-            clip_gradients(model.parameters(), grad_clip)
-        optimizer.step()
-        losses.append(loss.item())
-    return {"grads": first_grads, "losses": losses,
+        keep_first = (lambda: first.append(gradients(model))) if not first else None
+        losses.append(train_step(model, [batch], optimizer, grad_clip=grad_clip, after_backward=keep_first,
+                                 grad_norm=False, zero_grad=False)["loss"])  # the last step's gradients stay
+    return {"grads": first[0] if first else None, "losses": losses,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 

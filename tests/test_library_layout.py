@@ -233,3 +233,39 @@ def test_every_notebook_imports_course_lib_from_package_roots(notebook):
     """`from course_lib.data_parallel import BucketedDataParallel`, never a module path inside a package."""
     deep = [(cell, module) for cell, module in notebook_imports(notebook) if module not in ROOTS]
     assert deep == [], f"{notebook.name} imports from modules inside packages (cell, module): {deep}"
+
+
+def optimizer_steps(tree: ast.AST) -> list[int]:
+    """Lines that take an optimizer step: `<x>.step()` (not a scheduler's), `<scaler>.step(optimizer)`."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step":
+            receiver = ast.unparse(node.func.value).lower()
+            if "sched" in receiver:
+                continue
+            if (not node.args and not node.keywords) or "scaler" in receiver:
+                lines.append(node.lineno)
+    return lines
+
+
+# The only places besides core/steps.py that step an optimizer, each with the reason it cannot call train_step.
+OWN_STEPS = {
+    "course_lib.debugging.train_job":
+        "the debugging labs' job is a user's standalone script: its bugs live in its own loop, which the learner reads",
+    "course_lib.integrations.accelerate_train": "Accelerate owns the step (accelerator.backward, its prepared optimizer)",
+    "course_lib.integrations.deepspeed_train": "DeepSpeed's engine owns the step (engine.backward, engine.step)",
+}
+
+
+def test_the_walk_finds_optimizer_steps():
+    found = optimizer_steps(ast.parse("opt.step()\nscaler.step(opt)\nscheduler.step()\nrunner.step(tokens)\n"))
+    assert found == [1, 2]
+
+
+def test_one_optimizer_step_in_the_library():
+    """Every loop that trains calls core.steps.train_step; no module takes an optimizer step of its own."""
+    stepping = {name for name, path in MODULES.items() if optimizer_steps(ast.parse(path.read_text()))}
+    assert "course_lib.core.steps" in stepping
+    assert stepping - {"course_lib.core.steps"} == set(OWN_STEPS), \
+        "call course_lib.core.steps.train_step (its forward_backward / after_backward / before_step hooks carry " \
+        "what a worker records) instead of stepping the optimizer yourself"

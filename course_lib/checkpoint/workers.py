@@ -18,6 +18,7 @@ from course_lib.checkpoint.atomic import atomic_write
 from course_lib.checkpoint.ranked import load_ranked_checkpoint, read_manifest, save_ranked_checkpoint
 from course_lib.core.metrics import MetricsLogger
 from course_lib.core.model import GPTConfig
+from course_lib.core.steps import train_step
 from course_lib.data_parallel.loading import ensure_shards, make_loader, rank_dataset
 from course_lib.runtime.collectives import gather_to_rank0, mean_over_ranks, rank_tag
 from course_lib.runtime.env import get_dist_info
@@ -150,15 +151,11 @@ def train_logged(out_dir: str, data_dir: str = "data", steps: int = 100, micro_b
             batches = iter(loader)
             batch = next(batches)
         ready = time.perf_counter()
-        batch = batch.to(info.device)
-        _, loss = ddp(batch, targets=batch)
-        loss.backward()  # DDP all-reduces the gradients here
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        window["loss"].append(loss.item())
+        loss = train_step(ddp, [batch.to(info.device)], optimizer, grad_norm=False)["loss"]  # DDP: all-reduce in backward
+        window["loss"].append(loss)
         window["wait_s"].append(ready - start)
         window["step_s"].append(time.perf_counter() - start)
-        local.append({"step": step, "loss": loss.item()})
+        local.append({"step": step, "loss": loss})
         if step % log_every == 0 or step == steps:
             mine = {"rank": info.rank, "loss": statistics.mean(window["loss"]),
                     "wait_ms": 1e3 * statistics.median(window["wait_s"]),

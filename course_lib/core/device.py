@@ -12,11 +12,11 @@ Why bf16 is opt-in on CPU: its speed depends on the instruction set. With AVX512
 run natively; without it they are emulated, which can make them slower than fp32. Measure on your machine:
 
     python -m course_lib.core.device                        # prints the chosen device and autocast dtype
-    python -m course_lib.core.device --bench --threads 1    # median training-step time, fp32 vs bf16, interleaved
+    python -m course_lib.precision.comparison               # fp32, bf16 and fp16 runs, interleaved, step times too
 
 On a 2-core AMD EPYC with AVX512-BF16 (1 thread), bf16 was no faster than fp32 for the
 tiny preset (its 64-wide matrices leave the casts as the main cost) and about a quarter faster for the small
-preset; the bench prints the ratio for your CPU. fp32 stays the CPU default: it is the reference precision,
+preset; the comparison prints the times for your CPU. fp32 stays the CPU default: it is the reference precision,
 and without native bf16 support it is the safer bet for speed too.
 """
 
@@ -27,7 +27,6 @@ import contextlib
 
 import torch
 
-from course_lib.core.model import GPT, GPTConfig
 
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
 DEVICE_CHOICES = ("auto", "cuda", "mps", "cpu")
@@ -93,42 +92,10 @@ def needs_grad_scaler(device: torch.device | str, dtype: torch.dtype | None) -> 
     return dtype == torch.float16 and torch.device(device).type == "cuda"
 
 
-def _bench(steps: int = 20) -> None:
-    import statistics
-    import time
-
-    for preset, batch in (("tiny", 16), ("small", 8)):
-        torch.manual_seed(0)
-        config = GPTConfig.from_preset(preset)
-        model = GPT(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        idx = torch.randint(0, config.vocab_size, (batch, config.block_size))
-
-        def step(dtype):
-            start = time.perf_counter()
-            with autocast_context("cpu", dtype):
-                _, loss = model(idx, targets=idx)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
-
-        times = {None: [], torch.bfloat16: []}
-        for i in range(steps + 3):  # A B A B ..., the first 3 rounds are warm-up
-            for dtype in times:
-                elapsed = step(dtype)
-                if i >= 3:
-                    times[dtype].append(elapsed)
-        fp32, bf16 = statistics.median(times[None]), statistics.median(times[torch.bfloat16])
-        print(f"{preset:5s} batch {batch}, {torch.get_num_threads()} threads: fp32 {fp32 * 1e3:.1f} ms/step, "
-              f"bf16 autocast {bf16 * 1e3:.1f} ms/step, bf16/fp32 = {bf16 / fp32:.2f}")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Print the selected device and autocast dtype.")
     parser.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     parser.add_argument("--precision", default="auto", choices=PRECISION_CHOICES)
-    parser.add_argument("--bench", action="store_true", help="time fp32 vs bf16 autocast training steps on CPU")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -137,8 +104,6 @@ def main(argv=None):
     dtype = autocast_dtype(device, args.precision)
     print(f"device: {device}; autocast dtype: {dtype or 'none (fp32)'}; "
           f"GradScaler: {needs_grad_scaler(device, dtype)}")
-    if args.bench:
-        _bench()
 
 
 if __name__ == "__main__":

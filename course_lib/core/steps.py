@@ -1,8 +1,9 @@
 """One optimizer step and one evaluation: the pieces every training strategy shares.
 
 `train_step` works on a plain model, on a data-parallel wrapper (pass its `no_sync` so only the last
-micro-batch's backward communicates) and on any layout's course_lib.parallel.Parallelized, which runs the forward
-and backward (a pipeline schedule, gradient averaging) and the global gradient norm its own way. `evaluate` can split its batches over ranks.
+micro-batch's backward communicates) and on any layout's course_lib.parallel.Parallelized, which runs the
+forward and backward (a pipeline schedule, gradient averaging) and the global gradient norm its own way.
+`evaluate` can split its batches over ranks.
 """
 
 from __future__ import annotations
@@ -41,20 +42,41 @@ def clip_gradients(parameters, max_norm: float | None) -> torch.Tensor:
 
 
 def train_step(model, micro_batches, optimizer, scheduler=None, *, scaler=None, grad_clip=None, amp_dtype=None,
-               no_sync=None) -> dict:
+               no_sync=None, forward_backward=None, after_backward=None, before_step=None,
+               grad_norm: bool = True, zero_grad: bool = True) -> dict:
     """One optimizer step: accumulate, (unscale,) clip, step, advance the schedule, zero the grads.
 
-    Returns {"loss": mean micro-batch loss, "grad_norm": norm before clipping, "lr": lr used}.
+    The one optimizer step of the course: every loop (course_lib.train, the rank workers, the notebooks) calls it.
+    What a worker adds to a step goes in through two doors:
+      forward_backward(micro_batches) -> loss   computes the gradients its own way (timed phase by phase, through
+                                                a hand-written synchronisation, ...) instead of accumulate_gradients;
+      after_backward()                          runs once the gradients are complete, before clipping (finish a
+                                                bucketed all-reduce, copy the first step's gradients, ...);
+      before_step()                             runs after clipping, right before the update (read the gradients
+                                                the optimizer is about to use).
+    grad_norm=False skips the norm (and the collectives a sharded model's norm needs) when nothing clips;
+    zero_grad=False keeps the gradients after the update, for a caller that measures the memory they hold.
+
+    Returns {"loss": mean micro-batch loss, "grad_norm": norm before clipping (None if skipped), "lr": lr used}.
     """
     lr = optimizer.param_groups[0]["lr"]
     parallel = hasattr(model, "forward_backward")  # a course_lib.parallel.Parallelized: its layout does the work
-    if parallel:
+    if forward_backward is not None:
+        loss = forward_backward(micro_batches)
+    elif parallel:
         loss = model.forward_backward(micro_batches, amp_dtype=amp_dtype, scaler=scaler)
     else:
         loss = accumulate_gradients(model, micro_batches, amp_dtype=amp_dtype, scaler=scaler, no_sync=no_sync)
+    if after_backward is not None:
+        after_backward()
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
-    grad_norm = model.clip_grad_norm(grad_clip) if parallel else clip_gradients(model.parameters(), grad_clip)
+    if not grad_norm and not grad_clip:
+        norm = None
+    else:
+        norm = model.clip_grad_norm(grad_clip) if parallel else clip_gradients(model.parameters(), grad_clip)
+    if before_step is not None:
+        before_step()
     if scaler is not None:
         scaler.step(optimizer)  # skips the step if the unscaled gradients hold inf/NaN
         scaler.update()
@@ -62,8 +84,10 @@ def train_step(model, micro_batches, optimizer, scheduler=None, *, scaler=None, 
         optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+    return {"loss": None if loss is None else float(loss),  # None: a pipeline stage that holds no loss
+            "grad_norm": None if norm is None else norm.item(), "lr": lr}
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.data import load_tokens, prepare_tokens
 from course_lib.core.optim import configure_optimizer
+from course_lib.core.steps import train_step
 from course_lib.data_parallel.loading import make_loader, rank_dataset
 from course_lib.data_parallel.scratch import BucketedDataParallel, broadcast_parameters
 from course_lib.data_parallel.torch_ddp import apply_ddp
@@ -155,12 +156,9 @@ def world_size_sweep(world_sizes=(1, 2, 4), steps: int = 8, warmup: int = 2, glo
             model, ddp, optimizer = replicas[n]
             rows = local_rows(batch, info.rank, n)
             start = time.perf_counter()
-            _, loss = ddp(rows, targets=rows)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss = train_step(ddp, [rows], optimizer, grad_norm=False)["loss"]
             elapsed = slowest(time.perf_counter() - start, groups[n])
-            out[n]["losses"].append(loss.item())
+            out[n]["losses"].append(loss)
             if step >= warmup:
                 out[n]["step_s"].append(elapsed)
     dist.barrier()
@@ -211,10 +209,7 @@ def data_per_rank(shard_dir: str, seq_len: int = 64, micro_batch: int = 16, step
             start = time.perf_counter()
             batch = next(batches)
             ready = time.perf_counter()
-            _, loss = ddp(batch, targets=batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(ddp, [batch], optimizer, grad_norm=False)
             if step >= warmup:
                 waits.append(ready - start)
                 rests.append(time.perf_counter() - ready)
@@ -254,23 +249,24 @@ def scaling_sweep(world_sizes=(1, 2, 4), steps: int = 10, warmup: int = 2, micro
                 continue
             model, optimizer = replicas[n]
             batch = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), generator=generator)
+            marks = {}
+
+            def average_flat(model=model, group=groups[n], n=n, marks=marks):
+                marks["backward_done"] = time.perf_counter()
+                flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # one message of 4N bytes
+                dist.all_reduce(flat, group=group)
+                marks["reduced"] = time.perf_counter()
+                flat /= n
+                offset = 0
+                for p in model.parameters():
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                    offset += p.numel()
+
             start = time.perf_counter()
-            _, loss = model(batch, targets=batch)
-            loss.backward()
-            backward_done = time.perf_counter()
-            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # one message of 4N bytes
-            dist.all_reduce(flat, group=groups[n])
-            reduced = time.perf_counter()
-            flat /= n
-            offset = 0
-            for p in model.parameters():
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(model, [batch], optimizer, after_backward=average_flat, grad_norm=False)
             end = time.perf_counter()
-            mine = torch.tensor([(backward_done - start) + (end - reduced), end - start], dtype=torch.float64,
-                                device=info.device)
+            mine = torch.tensor([(marks["backward_done"] - start) + (end - marks["reduced"]), end - start],
+                                dtype=torch.float64, device=info.device)
             everyone = [torch.zeros(2, dtype=torch.float64, device=info.device) for _ in range(n)]
             dist.all_gather(everyone, mine, group=groups[n])
             if step >= warmup:

@@ -36,6 +36,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSamp
 
 from course_lib.core.checks import positive_int
 from course_lib.core.data import load_tokens, prepare_tokens
+from course_lib.core.steps import train_step
 from course_lib.observability.timing import machine_line
 from course_lib.testing import seeded_gpt
 
@@ -266,11 +267,8 @@ def make_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     def step(batch: torch.Tensor) -> float:
         batch = batch.to(device, non_blocking=True)
-        _, loss = model(batch, targets=batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()  # waits for the device: the step is really done
+        # the loss as a number waits for the device: the step is really done
+        return train_step(model, [batch], optimizer, grad_norm=False)["loss"]
     return step
 
 

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from course_lib.core.data import load_tokens, prepare_tokens
 from course_lib.core.optim import configure_optimizer
+from course_lib.core.steps import train_step
 from course_lib.data_parallel.scratch import BucketedDataParallel
 from course_lib.runtime.env import get_dist_info
 from course_lib.testing import flat_parameters, global_batches, seeded_gpt
@@ -126,22 +127,20 @@ def ddp_train(steps: int = 30, micro_batch: int = 8, grad_accum_steps: int = 1, 
             fault(info.rank, step)
         hook_state.update(local_sq_norm=0.0, allreduces=0)
         start = time.perf_counter()
-        losses, windows_read = [], []
-        for i in range(grad_accum_steps):
+        windows_read = []
+        for _ in range(grad_accum_steps):
             epoch, indices, windows = next(batches)
-            windows = windows.to(info.device)
-            with ddp.no_sync() if i < grad_accum_steps - 1 else nullcontext():
-                _, loss = ddp(windows, targets=windows)
-                (loss / grad_accum_steps).backward()  # the sum over micro-batches is the mean-loss gradient
-            losses.append(loss.item())
             indices_read.append((step, epoch, indices.tolist()))
-            windows_read.append(windows)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()  # averaged: same on all ranks
-        extra = rank_metric(model, windows_read, info) if rank_metric is not None else {}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            windows_read.append(windows.to(info.device))
+        extra = {}
+        # The micro-batches accumulate under no_sync (one all-reduce per step); the clipped norm is of the averaged
+        # gradient, the same on all ranks; rank_metric sees the gradients the optimizer is about to use.
+        stats = train_step(ddp, windows_read, optimizer, grad_clip=1.0, no_sync=ddp.no_sync,
+                           before_step=(lambda: extra.update(rank_metric(model, windows_read, info)))
+                           if rank_metric is not None else None)
+        grad_norm = stats["grad_norm"]
         tokens_seen += grad_accum_steps * micro_batch * seq_len
-        records.append({"step": step, "epoch": epoch, "loss": sum(losses) / len(losses),
+        records.append({"step": step, "epoch": epoch, "loss": stats["loss"],
                         "local_grad_norm": math.sqrt(hook_state["local_sq_norm"]), "grad_norm": grad_norm,
                         "tokens_seen": tokens_seen, "allreduces": hook_state["allreduces"],
                         "step_s": time.perf_counter() - start, **extra})

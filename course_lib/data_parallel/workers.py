@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from course_lib.core.steps import train_step
 from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients, broadcast_parameters
 from course_lib.runtime.collectives import ring_all_reduce
 from course_lib.runtime.env import get_dist_info
@@ -41,16 +42,20 @@ def data_parallel_run(strategy: str = "naive", steps: int = 3, preset: str = "ti
     else:
         wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    first_grads, losses, timeline = None, [], []
+    first_grads, losses, timeline = [], [], []
+
+    def synchronised_step(micro_batches):  # forward, backward and the sync of `strategy`, timed
+        loss, intervals = timed_sync_step(model, wrapped, micro_batches[0])
+        timeline.extend(intervals)
+        return loss
+
     for batch in global_batches(steps, global_batch, seq_len, seed):
-        loss, intervals = timed_sync_step(model, wrapped, local_rows(batch, info.rank, info.world_size))
-        timeline += intervals
-        if first_grads is None:
-            first_grads = gradients(model)
-        optimizer.step()
-        losses.append(loss.item())
+        keep_first = (lambda: first_grads.append(gradients(model))) if not first_grads else None
+        stats = train_step(model, [local_rows(batch, info.rank, info.world_size)], optimizer,
+                           forward_backward=synchronised_step, after_backward=keep_first, grad_norm=False)
+        losses.append(stats["loss"])
     dist.barrier()
-    return {"rank": info.rank, "grads": first_grads, "losses": losses, "timeline": timeline,
+    return {"rank": info.rank, "grads": first_grads[0], "losses": losses, "timeline": timeline,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from course_lib.core.model import GPT, GPTConfig
+from course_lib.core.steps import train_step
 from course_lib.data_parallel.scratch import allreduce_gradients
 from course_lib.sharding.fsdp import apply_fsdp
 from course_lib.runtime.launch import launch, run_each
@@ -94,17 +95,18 @@ def dp_tp_run(dp: int = 2, tp: int = 2, steps: int = 3, preset: str = "tiny", gl
         apply_fsdp(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)  # single_process_run's
 
-    losses, first_grads = [], None
-    for rows in batches:
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = model(rows, targets=rows)
-        loss.backward()
+    losses, first_grads = [], []
+
+    def average_and_keep():  # "allreduce": DDP's arithmetic over the dp group; the first step's gradients, whole
         if data_parallel == "allreduce":
             allreduce_gradients(model, mesh.get_group("dp"))
-        if first_grads is None:
-            first_grads = {name: full_copy(p.grad) for name, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loss.item())
+        if not first_grads:
+            first_grads.append({name: full_copy(p.grad) for name, p in model.named_parameters()})
+
+    for rows in batches:
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(train_step(model, [rows], optimizer, after_backward=average_and_keep, grad_norm=False)["loss"])
+    first_grads = first_grads[0]
     return {"rank": dist.get_rank(), "data_parallel": data_parallel,
             "coords": dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())),
             "groups": {dim: tuple(dist.get_process_group_ranks(mesh.get_group(dim))) for dim in ("dp", "tp")},

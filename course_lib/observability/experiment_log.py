@@ -34,6 +34,7 @@ import torch
 
 from course_lib.core.data import RandomBatches, synthetic_tokens
 from course_lib.core.metrics import MetricsLogger
+from course_lib.core.steps import train_step
 from course_lib.testing import seeded_gpt
 
 WANDB_REQUIREMENT = "wandb==0.31.0"
@@ -227,12 +228,9 @@ def main(argv=None) -> None:
         for step in range(1, args.steps + 1):
             start = time.perf_counter()
             idx = next(batches)
-            _, loss = model(idx, targets=idx)
-            loss.backward()
-            logger.log_gradients(model, step)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            logger.log(step, loss=loss.item())
+            stats = train_step(model, [idx], optimizer, after_backward=lambda: logger.log_gradients(model, step),
+                               grad_norm=False)
+            logger.log(step, loss=stats["loss"])
             logger.log_throughput(step, tokens=idx.numel(), seconds=time.perf_counter() - start)
         wandb_dir = logger.wandb_dir
     scalars = read_tensorboard_scalars(Path(args.out_dir) / "tb")

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
 from course_lib.core.optim import configure_optimizer
+from course_lib.core.steps import train_step
 from course_lib.observability.timing import machine_line, setup_threads, time_alternating, time_fn
 from course_lib.testing import seeded_gpt
 
@@ -82,19 +83,28 @@ def run_step(model, optimizer, batches, *, communicate=None, forward_context=nul
             _sync(device)
             times[name] = time.perf_counter() - start
 
+    def forward_backward(micro_batches):
+        (idx,) = micro_batches
+        with forward_context():
+            with phase("forward"):
+                _, loss = model(idx, targets=idx)
+            with phase("backward"):
+                loss.backward()
+        return loss.detach()
+
+    optimizer_phase = ExitStack()  # opened once the gradients are ready, closed when the step returns
+
+    def after_backward():
+        if communicate is not None:
+            with phase("communication"):
+                communicate()
+        optimizer_phase.enter_context(phase("optimizer"))
+
     with phase("data"):
         idx = next(batches).to(device)
-    with forward_context():
-        with phase("forward"):
-            _, loss = model(idx, targets=idx)
-        with phase("backward"):
-            loss.backward()
-    if communicate is not None:
-        with phase("communication"):
-            communicate()
-    with phase("optimizer"):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    with optimizer_phase:
+        train_step(model, [idx], optimizer, forward_backward=forward_backward, after_backward=after_backward,
+                   grad_norm=False)
     times["total"] = sum(times.values())
     return times
 

@@ -7,5 +7,5 @@ from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "layout": ("Layout", "ZERO_STAGES", "DDP_IMPLEMENTATIONS", "MESH_DIMS", "build_mesh"),
-    "compose": ("Parallelized", "ZeroAdamW", "parallelize"),
+    "compose": ("Parallelized", "parallelize"),
 })

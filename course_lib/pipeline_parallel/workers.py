@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from course_lib.core.steps import train_step
 from course_lib.pipeline_parallel.scratch import (
     GPTStage,
     PipelineRunner,
@@ -82,16 +83,18 @@ def pipeline_train(schedule: str = "1f1b", steps: int = 3, micro_batches: int = 
     result = {"rank": info.rank, "stage": info.rank, "layers": list(stage.layers), "losses": [], "grads": None,
               "step_s": [], "timelines": [], "micro_batch_ids": [], "bytes_sent": [], "tied_grad_bytes": [],
               "peak_in_flight": [], "peak_activation_bytes": []}
-    for batch in global_batches(steps, global_batch, seq_len, seed):
-        opt.zero_grad(set_to_none=True)
-        dist.barrier()  # every stage starts the step together: the timelines share an origin
-        start = time.monotonic()
-        loss = run_step(batch)
+    def tie_and_record():  # after the schedule's backward: sum the tied matrix's two gradients, note the step
         result["tied_grad_bytes"].append(allreduce_tied_grad(stage, group))
         result["step_s"].append(time.monotonic() - start)
         if result["grads"] is None:
             result["grads"] = {full_model_name(n): p.grad.cpu().clone() for n, p in stage.named_parameters()}
-        opt.step()
+
+    for batch in global_batches(steps, global_batch, seq_len, seed):
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()  # every stage starts the step together: the timelines share an origin
+        start = time.monotonic()
+        loss = train_step(stage, [batch], opt, forward_backward=lambda micro_batches: run_step(micro_batches[0]),
+                          after_backward=tie_and_record, grad_norm=False)["loss"]
         if loss is not None:
             result["losses"].append(loss)
         if implementation == "scratch":  # torch's schedules do not expose what the runner records

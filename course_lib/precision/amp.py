@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from course_lib.core.steps import train_step
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -48,21 +50,25 @@ def loss_scaling_run(steps: int = 12, overflow_steps=(3, 4), init_scale: float =
     inputs = torch.randn(64, 16, device=device)
     targets = inputs[:, :1] * 2.0
     records = []
+    def forward_backward(micro_batches, spike: bool):
+        (x,) = micro_batches
+        with torch.autocast(device_type=device, dtype=torch.float16):
+            prediction = model(x)
+        loss = (prediction.float() - targets).pow(2).mean()
+        scaled = scaler.scale(loss)
+        if spike:
+            scaled = scaled * 1e38  # the kind of spike that overflows fp16 gradients
+        scaled.backward()
+        return loss.detach()
+
     for step in range(steps):
         before = [p.detach().clone() for p in model.parameters()]
         scale = scaler.get_scale()
-        with torch.autocast(device_type=device, dtype=torch.float16):
-            prediction = model(inputs)
-        loss = (prediction.float() - targets).pow(2).mean()
-        scaled = scaler.scale(loss)
-        if step in overflow_steps:
-            scaled = scaled * 1e38  # the kind of spike that overflows fp16 gradients
-        scaled.backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        # the scaler unscales, skips the update if a gradient is inf or NaN, and updates its scale
+        stats = train_step(model, [inputs], optimizer, scaler=scaler, grad_norm=False,
+                           forward_backward=lambda micro_batches: forward_backward(micro_batches, step in overflow_steps))
         skipped = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
-        records.append({"step": step, "scale": scale, "skipped": skipped, "loss": loss.item()})
+        records.append({"step": step, "scale": scale, "skipped": skipped, "loss": stats["loss"]})
     return records
 
 

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from course_lib.core.steps import train_step
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.runtime.env import get_dist_info
 from course_lib.testing import flat_parameters, seeded_gpt
@@ -31,22 +32,25 @@ def amp_ddp_overflow(steps: int = 8, overflow_rank: int = 1, overflow_step: int 
     scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
     generator = torch.Generator().manual_seed(seed + 1 + rank)
     records = []
+    def forward_backward(micro_batches, injected: bool):
+        (rows,) = micro_batches
+        with torch.autocast(device.type, dtype=torch.float16):
+            _, loss = ddp(rows, targets=rows)
+        scaled = scaler.scale(loss)
+        if injected:
+            scaled = scaled * 1e38  # a spike: this rank's gradients become inf
+        scaled.backward()  # DDP averages the (scaled) gradients here, inf included
+        return loss.detach()
+
     for step in range(steps):
         rows = torch.randint(0, 256, (local_batch, seq_len), generator=generator).to(device)
         before = [p.detach().clone() for p in model.parameters()]
         scale = scaler.get_scale()
-        with torch.autocast(device.type, dtype=torch.float16):
-            _, loss = ddp(rows, targets=rows)
-        scaled = scaler.scale(loss)
         injected = rank == overflow_rank and step == overflow_step
-        if injected:
-            scaled = scaled * 1e38  # a spike: this rank's gradients become inf
-        scaled.backward()  # DDP averages the (scaled) gradients here, inf included
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        stats = train_step(ddp, [rows], optimizer, scaler=scaler, grad_norm=False,
+                           forward_backward=lambda micro_batches: forward_backward(micro_batches, injected))
         skipped = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
         records.append({"step": step, "scale": scale, "skipped": skipped, "injected_here": injected,
-                        "loss": loss.item()})
+                        "loss": stats["loss"]})
     return {"rank": rank, "records": records,
             "params": flat_parameters(model)}

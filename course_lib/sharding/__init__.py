@@ -12,7 +12,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
              "deepspeed_equivalent", "shard_rows", "expected_fsdp_model_states", "local_shapes"),
     "memory": ("KINDS", "SHARDED_FROM_STAGE", "STEP_COUNTER_BYTES", "local_tensor", "live_bytes",
                "measure_model_states", "expected_model_states"),
-    "zero": ("STAGES", "COMPUTE_DTYPES", "FlatLayout", "ShardedAdamW", "ZeroOptimizer"),
+    "zero": ("STAGES", "COMPUTE_DTYPES", "FlatLayout", "ShardedAdamW", "ZeroOptimizer", "ZeroAdamW"),
     "zero3": ("Unit", "default_units", "Zero3Optimizer", "apply_zero"),
     "zero_workers": ("MODEL_OVERRIDES", "MODEL_PRESET", "make_model", "reference_run", "zero_parity_run"),
 })

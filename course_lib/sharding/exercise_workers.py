@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.core.steps import train_step
 from course_lib.runtime.collective_gate import process_group_calls
 from course_lib.testing import global_batches, local_rows, seeded_gpt
 
@@ -148,9 +149,7 @@ def zero_reference(world_size: int, *, steps: int = 3, lr: float = 0.1, momentum
     model = zero_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for batch in global_batches(steps, rows_per_rank * world_size, seq_len, seed):
-        optimizer.zero_grad(set_to_none=True)
-        model(batch, targets=batch)[1].backward()
-        optimizer.step()
+        train_step(model, [batch], optimizer, grad_norm=False)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

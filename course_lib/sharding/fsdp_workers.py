@@ -105,10 +105,17 @@ def fsdp_memory(strategy: str = "FULL_SHARD", *, config: dict | None = None, pre
         train_model = apply_fsdp(model, strategy=strategy, ranks_per_node=ranks_per_node)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, model.config.vocab_size, (rows_per_rank, seq_len), generator=torch.Generator().manual_seed(rank))
-    _, loss = train_model(idx, targets=idx)
-    between = live_bytes(model.parameters())  # what the modules hold right now, gathered or not
-    loss.backward()
-    optimizer.step()
+    held = {}
+
+    def forward_backward(micro_batches):
+        _, loss = train_model(micro_batches[0], targets=micro_batches[0])
+        held["between"] = live_bytes(model.parameters())  # what the modules hold right now, gathered or not
+        loss.backward()
+        return loss.detach()
+
+    # one step, its gradients kept: the states below count them
+    train_step(train_model, [idx], optimizer, forward_backward=forward_backward, grad_norm=False, zero_grad=False)
+    between = held["between"]
     expected = None
     if strategy != "DDP":
         expected = expected_fsdp_model_states(model, world_size, rank, strategy=strategy, ranks_per_node=ranks_per_node)

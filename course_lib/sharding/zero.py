@@ -288,6 +288,61 @@ class ZeroOptimizer:
         return {self.names[p]: p.detach().clone() for p in self.params}
 
 
+class ZeroAdamW(torch.optim.Optimizer):
+    """ZeRO (course_lib.sharding) seen as a torch optimizer, so the loop's LR scheduler, zero_grad and step drive
+    it like any other. It holds no parameters of its own (a zero-size placeholder keeps torch's bookkeeping
+    happy): `param_groups[0]['lr']` is copied into ZeRO's sharded AdamW before each step.
+
+    clip_grad_norm(max_norm) takes the averaged gradient shard, measures the global norm (each rank's shard
+    squared and summed, all-reduced over the dp ranks: the padding is zero) and scales the shard; step() then
+    updates with it.
+    """
+
+    def __init__(self, zero: ZeroOptimizer, lr: float):
+        self.zero = zero
+        super().__init__([nn.Parameter(torch.zeros(0))], {"lr": lr})
+        self._clipped: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        grad = self.zero.averaged_gradient()
+        square = grad.pow(2).sum()
+        dist.all_reduce(square, group=self.zero.group)
+        norm = square.sqrt()
+        if max_norm:
+            grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        self._clipped = grad
+        return norm
+
+    def step(self, closure=None):
+        grad, self._clipped = self._clipped, None
+        self.zero.adam.lr = self.param_groups[0]["lr"]
+        self.zero.update(grad if grad is not None else self.zero.averaged_gradient())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad()
+
+    def shard_state(self) -> dict[str, torch.Tensor]:
+        """This rank's AdamW state (and, stage 3, its parameter shard): what a checkpoint must keep per rank."""
+        adam = self.zero.adam
+        state = {"exp_avg": adam.exp_avg, "exp_avg_sq": adam.exp_avg_sq,
+                 "steps": torch.tensor(adam.steps, dtype=torch.int64)}
+        if self.zero.master is not None:
+            state["master"] = self.zero.master
+        if self.zero.stage == 3:
+            state["param_shard"] = self.zero.param_shard
+        return state
+
+    def load_shard_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a shard_state() back in (the tensors of `state` were filled by the checkpoint loader)."""
+        mine = self.shard_state()
+        for name, tensor in state.items():
+            if name == "steps":
+                self.zero.adam.steps = int(tensor)
+            else:
+                mine[name].copy_(tensor)
+
+
 def _check_arguments(model, stage, lr, weight_decay, precision) -> None:
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {STAGES} (0 = plain data parallelism), got {stage!r}")

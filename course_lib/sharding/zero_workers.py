@@ -21,9 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.model import GPT
 from course_lib.core.optim import configure_optimizer
+from course_lib.core.steps import train_step
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding import apply_zero
 from course_lib.sharding.memory import live_bytes, measure_model_states
+from course_lib.sharding.zero import ZeroAdamW
 from course_lib.testing import global_batches, local_rows, seeded_gpt, train_whole_batches
 
 MODEL_PRESET = "tiny"
@@ -66,11 +68,8 @@ def ddp_run(steps: int = 3, global_batch: int = 8, seq_len: int = 32, seed: int 
     losses = []
     for batch in global_batches(steps, global_batch, seq_len, seed):
         optimizer.zero_grad(set_to_none=True)
-        rows = _my_rows(batch)
-        _, loss = wrapped(rows, targets=rows)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        # the gradients stay after the step: the memory below counts them
+        losses.append(train_step(wrapped, [_my_rows(batch)], optimizer, grad_norm=False, zero_grad=False)["loss"])
     return {"params": _cpu(dict(model.named_parameters())), "losses": losses,
             "memory": measure_model_states(model, optimizer),
             "step_counters": sum(1 for s in optimizer.state.values() if "step" in s)}
@@ -93,18 +92,17 @@ def zero_run(stage: int, precision: str = "fp32", steps: int = 3, global_batch: 
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(full_gradients_alive)
     zero = apply_zero(model, stage, precision=precision, **TRAINING)
+    optimizer = ZeroAdamW(zero, TRAINING["lr"])
     losses, times = [], []
     for batch in global_batches(steps, global_batch, seq_len, seed):
         for kind in zero.comm_volume:
             zero.comm_volume[kind] = 0
         start = time.perf_counter()
         zero.zero_grad()
-        rows = _my_rows(batch)
-        _, loss = model(rows, targets=rows)
-        loss.backward()
-        zero.step()
+        # what ZeRO holds after the step is measured below: the step leaves it as it is
+        stats = train_step(model, [_my_rows(batch)], optimizer, grad_norm=False, zero_grad=False)
         times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        losses.append(stats["loss"])
     memory = measure_model_states(model, None, extra=zero.state_tensors())
     return {"stage": stage, "precision": precision, "params": _cpu(zero.full_parameters()), "losses": losses,
             "memory": memory, "comm_volume": dict(zero.comm_volume), "n_params": zero.layout.numel,

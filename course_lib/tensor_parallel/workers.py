@@ -23,6 +23,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
+from course_lib.core.steps import train_step
 from course_lib.memory.activations import count_saved_bytes
 from course_lib.runtime.env import get_dist_info
 from course_lib.tensor_parallel.dtensor import CollectiveCounter, apply_dtensor_tp, gather_full_dtensor, make_tp_mesh
@@ -56,17 +57,24 @@ def _train(model, optimizer, batches, gather, measure=None) -> dict:
     """
     out = {"losses": []}
     device = next(model.parameters()).device
-    for step, tokens in enumerate(batches):
-        tokens = tokens.to(device)
-        optimizer.zero_grad(set_to_none=True)
-        with measure() if (measure and step == 0) else nullcontext():
+
+    def forward_backward(micro_batches, first: bool):
+        (tokens,) = micro_batches
+        with measure() if (measure and first) else nullcontext():
             logits, loss = model(tokens, targets=tokens)
             loss.backward()
-        if step == 0:
+        if first:
             out["logits"], out["loss"] = logits.detach().clone(), loss.item()
-            out["grads"] = gather(model, grads=True)
-        optimizer.step()
-        out["losses"].append(loss.item())
+        return loss.detach()
+
+    for step, tokens in enumerate(batches):
+        optimizer.zero_grad(set_to_none=True)
+        first = step == 0
+        stats = train_step(model, [tokens.to(device)], optimizer,
+                           forward_backward=lambda micro_batches: forward_backward(micro_batches, first),
+                           after_backward=(lambda: out.update(grads=gather(model, grads=True))) if first else None,
+                           grad_norm=False)
+        out["losses"].append(stats["loss"])
     out["params"] = gather(model)
     out["lr"] = optimizer.param_groups[0]["lr"]
     return _to_cpu(out)

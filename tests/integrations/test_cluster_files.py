@@ -195,6 +195,23 @@ def parse_launch(command: list[str]):
     return launch, course_train.config_from_args(train_args)  # raises on an invalid value
 
 
+def test_the_layout_override_and_the_pytorchjobs_tp_x_pp_line_are_valid_layouts_of_the_same_job(tmp_path):
+    """LAYOUT="--tp 4 --pp 2" sbatch ... and the PyTorchJob's TP x PP flags give the 8-rank layout tp4 x pp2."""
+    sbatch = SBATCH_FILES["multinode"]
+    env = fake_slurm(tmp_path, sbatch, nnodes=2, nproc_per_node=4, train_args="--model_size small", dry_run=True)
+    env["LAYOUT"] = "--tp 4 --pp 2"
+    done = subprocess.run(["bash", sbatch], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (call,) = srun_calls(tmp_path)
+    launch, cfg = parse_launch(call["command"])
+    world_size = int(launch.nnodes) * int(launch.nproc_per_node)
+    assert cfg.layout(world_size).name() == "tp4 pp2 1f1b m2" and cfg.resume == "auto"
+    text = (CONFIG / "k8s_pytorchjob.yaml").read_text(encoding="utf-8")
+    assert "--tp=4 --pp=2" in text and "TP x PP instead: --tp=4 and --pp=2" in text
+    train_args = course_train.build_parser().parse_args(["--tp=4", "--pp=2", "--resume=auto"])
+    assert course_train.config_from_args(train_args).layout(8).name() == "tp4 pp2 1f1b m2"
+
+
 def test_sbatch_directives_ask_for_one_agent_per_node():
     for name, path in SBATCH_FILES.items():
         directives = sbatch_directives(path)

@@ -64,8 +64,8 @@ from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
 from course_lib.core.device import DEVICE_CHOICES, PRECISION_CHOICES, autocast_dtype, needs_grad_scaler, select_device
 from course_lib.core.metrics import MetricsLogger
 from course_lib.core.model import GPT, PRESETS, GPTConfig
-from course_lib.core.optim import configure_optimizer, make_scheduler
-from course_lib.core.steps import evaluate, train_step
+from course_lib.core.optim import make_scheduler
+from course_lib.core.steps import train_step
 from course_lib.parallel.layout import DDP_IMPLEMENTATIONS, ZERO_STAGES, Layout, build_mesh
 from course_lib.parallel.compose import parallelize
 from course_lib.pipeline_parallel.schedules import SCHEDULES

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from course_lib.observability.timing import machine_info, setup_threads
 from course_tools.bench.attention import run_attention
 from course_tools.bench.comm import run_comm
 from course_tools.bench.compute import run_matmul, run_train, run_versus
@@ -36,7 +37,6 @@ from course_tools.bench.parallel import run_parallel
 from course_tools.bench.profile import run_profile
 from course_tools.bench.report import Options, Section, as_tables, format_section, section_json
 from course_tools.bench.sharding import run_sharding
-from course_lib.observability.timing import machine_info, setup_threads
 
 SECTIONS = [
     Section("matmul", "fp32 (and bf16) square matmul GFLOP/s: the ceiling", run_matmul),

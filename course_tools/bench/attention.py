@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from course_tools.bench.report import Column, Options, Table
 from course_lib.core.model import causal_attention
 from course_lib.memory.activations import count_saved_bytes
 from course_lib.observability.timing import time_alternating
+from course_tools.bench.report import Column, Options, Table
 
 ATTENTION_SHAPE = {"batch": 4, "heads": 12, "head_dim": 64}
 """GPT-2-small's heads (12 x 64); batch 4 keeps the explicit path's T=512 scores at 50 MB."""

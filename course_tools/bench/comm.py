@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 import tempfile
 
-from course_tools.bench.comm_workers import allreduce_bandwidth, ddp_throughput
-from course_tools.bench.report import Column, Options, Table
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.observability.timing import Timing
 from course_lib.runtime.launch import launch
+from course_tools.bench.comm_workers import allreduce_bandwidth, ddp_throughput
+from course_tools.bench.report import Column, Options, Table
 
 ALLREDUCE_RANKS = (2, 4)
 ALLREDUCE_SIZES_MIB = {"full": (1, 4, 16, 64), "quick": (1, 4)}

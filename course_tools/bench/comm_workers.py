@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from course_lib.core.steps import train_step
 from course_lib.runtime.collectives import ring_all_reduce, slowest
 from course_lib.runtime.env import get_dist_info
 from course_lib.testing import seeded_gpt
@@ -83,10 +84,7 @@ def ddp_throughput(global_batch: int = 16, seq_len: int = 64, preset: str = "tin
         batch = torch.randint(0, model.config.vocab_size, (local, seq_len), generator=generator)
         dist.barrier()
         start = time.perf_counter()
-        _, loss = ddp(batch, targets=batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(ddp, [batch], optimizer, grad_norm=False)
         elapsed = slowest(time.perf_counter() - start)
         if step >= warmup:
             times.append(elapsed)

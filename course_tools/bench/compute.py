@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 import course_lib.core.model as model_module
-from course_tools.bench.reference_gpt import ReferenceGPT
-from course_tools.bench.report import Column, Options, Table
 from course_lib.core.fused import rms_norm_reference, rotary_reference, swiglu_reference
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.optim import configure_optimizer
+from course_lib.core.steps import train_step
 from course_lib.observability.timing import time_alternating, time_fn
+from course_tools.bench.reference_gpt import ReferenceGPT
+from course_tools.bench.report import Column, Options, Table
 
 # ----------------------------------------------------------------------------------------------- matmul
 
@@ -124,12 +125,8 @@ def variant_train_step(variant: TrainVariant) -> tuple[GPT, Callable[[], None], 
                                for _ in range(4)])
 
     def step() -> None:
-        idx = next(batches)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant.bf16_autocast):
-            _, loss = forward(idx, targets=idx)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(forward, [next(batches)], optimizer, amp_dtype=torch.bfloat16 if variant.bf16_autocast else None,
+                   grad_norm=False)
 
     return model, step, variant.batch_size * seq_len, seq_len
 
@@ -219,11 +216,7 @@ def reference_train_step(model, batch_size: int, seq_len: int, vocab_size: int) 
     batches = itertools.cycle([torch.randint(0, vocab_size, (batch_size, seq_len), generator=g) for _ in range(4)])
 
     def step() -> None:
-        idx = next(batches)
-        _, loss = model(idx, targets=idx)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, [next(batches)], optimizer, grad_norm=False)
 
     return step
 

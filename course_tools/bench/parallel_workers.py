@@ -36,6 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
+from course_lib.core.steps import train_step
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.observability.timing import williams_orders
 from course_lib.pipeline_parallel.scratch import (
@@ -55,12 +56,9 @@ PP_SCHEDULES = {"PP 1F1B": "1f1b", "PP GPipe": "gpipe"}
 
 
 def _optimizer_step(model, optimizer, rows: torch.Tensor) -> torch.Tensor:
-    """zero_grad, forward with the loss, backward, optimizer step; returns the loss, detached."""
+    """zero_grad, forward with the loss, backward, optimizer step (core.steps.train_step); returns the loss."""
     optimizer.zero_grad(set_to_none=True)
-    _, loss = model(rows, targets=rows)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+    return torch.tensor(train_step(model, [rows], optimizer, grad_norm=False)["loss"])
 
 
 class DataParallel:
@@ -134,9 +132,11 @@ class PipelineParallel:
 
     def train_step(self, batch: torch.Tensor) -> torch.Tensor | None:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.runner.step(batch)
-        tied_bytes = allreduce_tied_grad(self.stage, self.tied_group)
-        self.optimizer.step()
+        tied = {}
+        loss = train_step(self.stage, [batch], self.optimizer, grad_norm=False,
+                          forward_backward=lambda micro_batches: self.runner.step(micro_batches[0]),
+                          after_backward=lambda: tied.update(bytes=allreduce_tied_grad(self.stage, self.tied_group)))["loss"]
+        tied_bytes = tied["bytes"]
         self.payload_bytes = sum(self.runner.bytes_sent.values()) + tied_bytes
         self.calls = self.sends + (tied_bytes > 0)
         return None if loss is None else torch.tensor(loss)

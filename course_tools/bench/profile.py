@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from course_lib.observability.profiling import category_shares, without_profiler_banner
 from course_tools.bench.compute import TRAIN_VARIANTS, variant_train_step
 from course_tools.bench.report import Column, Options, Table
-from course_lib.observability.profiling import category_shares, without_profiler_banner
 
 PROFILE_SHARES = {
     "matmul": "GEMM %",

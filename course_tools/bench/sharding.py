@@ -17,9 +17,9 @@ import os
 
 from course_tools.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
                                      ranks_setup, strategy_rows)
-from course_tools.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, sharding_bench
 from course_lib.observability.timing import Timing
 from course_lib.sharding.memory import KINDS
+from course_tools.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, sharding_bench
 
 SHARDING_RANKS = (2, 4)
 WORKLOAD = {"full": {"preset": "small", "global_batch": 8, "seq_len": 128, "warmup": 2, "steps": 20},

@@ -32,9 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
+from course_lib.core.steps import train_step
 from course_lib.observability.timing import williams_orders
 from course_lib.runtime.env import get_dist_info
-from course_lib.sharding import apply_zero
+from course_lib.sharding import ZeroAdamW, apply_zero
 from course_lib.sharding.fsdp import expected_fsdp_model_states, apply_fsdp
 from course_lib.sharding.memory import expected_model_states, live_bytes, measure_model_states
 from course_lib.sharding.zero_workers import TRAINING
@@ -116,6 +117,7 @@ class Trainee:
         self.forward = model
         if name in ZERO_STAGES:
             self.zero = apply_zero(model, ZERO_STAGES[name], **TRAINING)
+            self.optimizer = ZeroAdamW(self.zero, TRAINING["lr"])  # ZeRO driven by core.steps.train_step
             extra = self.zero.state_tensors()
             self.probe.watch(extra["params"], extra["grads"])
             self.expected = expected_model_states(self.n_params, world_size, ZERO_STAGES[name])
@@ -137,9 +139,8 @@ class Trainee:
             self.zero.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        _, loss = self.forward(rows, targets=rows)
-        loss.backward()
-        (self.zero or self.optimizer).step()
+        # the step leaves what it holds in place: memory() measures it next
+        train_step(self.forward, [rows], self.optimizer, grad_norm=False, zero_grad=False)
 
     def memory(self) -> dict:
         """Bytes of model states this rank holds now (call it right after an optimizer step)."""

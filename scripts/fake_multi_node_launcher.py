@@ -19,7 +19,7 @@ MASTER_ADDR:MASTER_PORT and everyone else connects to it (nothing is shared in P
     # any rank program: a module (-m) or a script, with its own arguments after it
     python scripts/fake_multi_node_launcher.py --nnodes 2 --nproc_per_node 2 -m course_lib.train --strategy ddp --max_steps 20
 
-Without a program the ranks run course_lib.runtime.multinode_demo (identity, all_reduce, barrier). Every output line
+Without a program the ranks run course_lib.cluster.multinode_demo (identity, all_reduce, barrier). Every output line
 is prefixed with [node n | local l | rank r]; logs go to logs/rank_<r>/. If any rank fails, its node stops
 its other ranks and exits non-zero, and the launcher stops the other nodes.
 """
@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-DEMO = ["-m", "course_lib.runtime.multinode_demo"]
+DEMO = ["-m", "course_lib.cluster.multinode_demo"]
 
 
 def _env_default(name: str, default=None, cast=str):

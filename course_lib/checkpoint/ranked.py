@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.checkpoint.atomic import atomic_write, get_rng_state, set_rng_state, unwrap_model
-from course_lib.runtime.collectives import shard_numel
+from course_lib.data_parallel.collectives import shard_numel
 
 FORMAT = "course_lib.checkpoint.ranked"
 MANIFEST = "manifest.json"

@@ -7,6 +7,9 @@ rank sees, data loading at scale.
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "collectives": ("ring_all_reduce", "slowest", "rank_tag", "mean_over_ranks", "gather_to_rank0", "shard_numel",
+                    "all_gather_single", "reduce_scatter_single"),
+    "collective_gate": ("Call", "process_group_calls"),
     "exercise_workers": ("check_gradient_averaging", "check_train_step", "gradient_averaging_reference",
                          "train_steps_one_process"),
     "experiment_workers": ("bucket_sweep", "data_per_rank", "ddp_step_breakdown", "parity_and_ring",

@@ -32,7 +32,7 @@ from course_lib.data_parallel.scratch import BucketedDataParallel, broadcast_par
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.data_parallel.workers import GRADIENT_SYNCS, data_parallel_run, ring_allreduce_check, timed_sync_step
 from course_lib.observability.profiling import make_setup, medians, run_step
-from course_lib.runtime.collectives import slowest
+from course_lib.data_parallel.collectives import slowest
 from course_lib.runtime.env import get_dist_info
 from course_lib.runtime.launch import run_each
 from course_lib.testing import flat_parameters, local_rows, seeded_gpt

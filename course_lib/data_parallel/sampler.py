@@ -15,7 +15,7 @@ import math
 import torch
 
 from course_lib.core.checks import positive_int
-from course_lib.runtime.collectives import shard_numel
+from course_lib.data_parallel.collectives import shard_numel
 
 
 def shard_indices(num_samples: int, rank: int, world_size: int, *, shuffle: bool = True, seed: int = 0,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data_parallel.scratch import assign_buckets
-from course_lib.runtime.collective_gate import COLLECTIVES, process_group_calls
+from course_lib.data_parallel.collective_gate import COLLECTIVES, process_group_calls
 from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 
 FROZEN = ("blocks.0.attn.q_proj.weight", "norm_f.weight")
@@ -144,7 +144,7 @@ def check_ring_all_reduce(ring_fn, *, shapes=RING_SHAPES, seed: int = 0) -> dict
     """Worker: ring_fn(tensor) on each shape, with the collectives refused; what it returned and what it sent.
 
     Every collective of the process group (all-reduce, reduce-scatter, all-gather, broadcast, reduce, all-to-all,
-    by whatever function it is reached: course_lib.runtime.collective_gate) raises: the ring must be built from
+    by whatever function it is reached: course_lib.data_parallel.collective_gate) raises: the ring must be built from
     point-to-point messages, which are counted where they leave, in elements. Returns per shape: the result,
     the expected sum (computed from every rank's tensor), whether the input tensor itself holds the sum, and the
     elements and messages this rank sent.

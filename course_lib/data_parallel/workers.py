@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.steps import train_step
 from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients, broadcast_parameters
-from course_lib.runtime.collectives import ring_all_reduce
+from course_lib.data_parallel.collectives import ring_all_reduce
 from course_lib.runtime.env import get_dist_info
 from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
 

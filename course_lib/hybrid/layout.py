@@ -10,7 +10,7 @@ torch.arange(W).reshape(sizes in `order`), as torch's init_device_mesh does, so 
     rank = (d * pp + p) * tp + t          for the default order ("dp", "pp", "tp")
 
 tp varies fastest, so a tensor-parallel group is tp consecutive ranks: one node's NVLink-connected GPUs
-when tp divides the GPUs per node (ranks are numbered node by node; see course_lib.runtime.cluster). Megatron-LM
+when tp divides the GPUs per node (ranks are numbered node by node; see course_lib.cluster.slurm). Megatron-LM
 and torchtitan also put tp last but put pp first, order ("pp", "dp", "tp"); both orders are supported.
 
     python -m course_lib.hybrid.layout --world-size 8 --tp 2 --pp 2
@@ -124,7 +124,7 @@ def all_groups(places: list[RankPlace], dim: str) -> list[tuple[int, ...]]:
 
 
 def node_of(rank: int, gpus_per_node: int) -> int:
-    """The node a global rank runs on when ranks are numbered node by node (torchrun, SLURM, course_lib.runtime.cluster)."""
+    """The node a global rank runs on when ranks are numbered node by node (torchrun, SLURM, course_lib.cluster.slurm)."""
     positive_int("gpus_per_node", gpus_per_node)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be a non-negative integer, got {rank!r}")

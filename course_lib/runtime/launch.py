@@ -21,6 +21,7 @@ What this adds over torch.multiprocessing.spawn:
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import linecache
 import os
 import pickle
@@ -42,7 +43,6 @@ from course_lib.core.checks import positive_int
 from course_lib.nbtools import relative_paths
 from course_lib.runtime.device_guard import guard_collectives
 from course_lib.runtime.env import DEFAULT_TIMEOUT_S, get_dist_info, init_distributed, setup_rank_logging
-from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot, guard_modules
 
 STOP_GRACE_S = 1.0  # time the other ranks get to report their own errors before they are killed
 
@@ -127,13 +127,8 @@ def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options
             _skip_ddp_construction_log()
         phase = "worker"
         guard = os.environ.get(DEVICE_GUARD_VARIABLE) == "1"
-        graded = Snapshot.take() if os.environ.get(GRADING_VARIABLE) == "1" else None  # see runtime/integrity.py
-        if graded is not None:
-            guard_modules()
-        with guard_collectives(get_dist_info().device) if guard else nullcontext():
+        with rank_context(rank), guard_collectives(get_dist_info().device) if guard else nullcontext():
             result = worker(*args, **kwargs)
-        if graded is not None:
-            graded.verify(f"on rank {rank}, after the worker ran")
         phase = "result"
         payload = pickle.dumps(result)
     except BaseException as exc:  # report, then leave at once: peers may be stuck in a collective with us
@@ -320,6 +315,21 @@ Anything else should keep the default, "spawn". Where a forked child could not r
 spawned anyway (_fork_keeps_autograd)."""
 DEVICE_GUARD_VARIABLE = "COURSE_DEVICE_GUARD"
 """Set to 1: every rank checks that the tensors it hands to collectives are on its device (device_guard)."""
+
+RANK_CONTEXT_VARIABLE = "COURSE_RANK_CONTEXT"
+"""'package.module:function': every rank runs its worker inside function(rank), a context manager (the grading
+sandbox names its integrity check here: course_tools.grading.integrity.graded_rank). Unset: nothing."""
+
+
+def rank_context(rank: int):
+    """The context RANK_CONTEXT_VARIABLE names for this rank, or one that does nothing."""
+    spec = os.environ.get(RANK_CONTEXT_VARIABLE, "")
+    if not spec:
+        return nullcontext()
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{RANK_CONTEXT_VARIABLE}={spec!r} must look like 'package.module:function'")
+    return getattr(importlib.import_module(module), name)(rank)
 
 
 def _fork_keeps_autograd() -> bool:

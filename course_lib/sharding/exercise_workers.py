@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.core.steps import train_step
-from course_lib.runtime.collective_gate import process_group_calls
+from course_lib.data_parallel.collective_gate import process_group_calls
 from course_lib.testing import global_batches, local_rows, seeded_gpt
 
 REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
@@ -40,7 +40,7 @@ ALL_REDUCE_REFUSAL = ("ZeRO replaces DDP's all-reduce by a reduce-scatter of the
 
 
 class _GatePatch:
-    """course_lib.runtime.collective_gate.process_group_calls, started and stopped like a mock patch."""
+    """course_lib.data_parallel.collective_gate.process_group_calls, started and stopped like a mock patch."""
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self._context = kwargs, [], None

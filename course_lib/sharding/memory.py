@@ -31,7 +31,7 @@ import torch
 from course_lib.core.checks import positive_ints
 from course_lib.memory.accounting import OPTIMIZER_STATES, PRECISION_BYTES, format_bytes
 from course_lib.memory.formulas import zero_memory_per_gpu
-from course_lib.runtime.collectives import shard_numel
+from course_lib.data_parallel.collectives import shard_numel
 from course_lib.sharding.zero import STAGES
 
 KINDS = ("params", "grads", "optimizer_states")

@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from course_lib.core.optim import param_groups
 from course_lib.data_parallel.scratch import allreduce_gradients, broadcast_parameters
-from course_lib.runtime.collectives import all_gather_single, reduce_scatter_single, shard_numel
+from course_lib.data_parallel.collectives import all_gather_single, reduce_scatter_single, shard_numel
 
 STAGES = (0, 1, 2, 3)
 COMPUTE_DTYPES = {"fp32": torch.float32, "mixed": torch.bfloat16}

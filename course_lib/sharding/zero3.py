@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.runtime.collectives import all_gather_single
+from course_lib.data_parallel.collectives import all_gather_single
 from course_lib.sharding.zero import ZeroOptimizer
 
 

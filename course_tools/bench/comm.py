@@ -6,7 +6,7 @@
 Both tables come from real ranks started with course_lib.runtime.launch (gloo over loopback TCP), running the
 workers of course_tools.bench.comm_workers:
 
-- all_reduce: torch.distributed.all_reduce (gloo) and the course's ring (course_lib.runtime.collectives: send/recv from
+- all_reduce: torch.distributed.all_reduce (gloo) and the course's ring (course_lib.data_parallel.collectives: send/recv from
   Python) on 1-64 MiB of fp32 at 2 and 4 ranks; the two take turns at every size. algbw = bytes / median
   time of the slowest rank; busbw = algbw * 2 (n - 1) / n, as nccl-tests define it.
 - throughput: DDP training of the small preset at one global batch, 1 rank x every core against 2 ranks x
@@ -66,7 +66,7 @@ def run_all_reduce(opts: Options, cores: int, log_dir: str) -> Table:
     notes = [f"algbw = MiB x 2^20 bytes / median time of the slowest rank ({calls['iters']} timed calls after "
              f"{calls['warmup']} warm-up); busbw = algbw x 2(n-1)/n for n ranks: the bytes each rank sends per "
              "second in a ring all-reduce, comparable across n (nccl-tests). gloo = torch.distributed.all_reduce; "
-             "ring = course_lib.runtime.collectives.ring_all_reduce (send/recv from Python). The two take turns at every size; "
+             "ring = course_lib.data_parallel.collectives.ring_all_reduce (send/recv from Python). The two take turns at every size; "
              "ring/gloo = ring's median time / gloo's."]
     crowded = [r for r in ALLREDUCE_RANKS if r * max(1, cores // r) > cores]
     if crowded:

@@ -34,11 +34,10 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_lib.runtime.integrity import GRADING_VARIABLE, Snapshot, guard_modules, trust, trust_folder
 from course_tools.grading.audit import audit
 from course_tools.grading.exercises import read_exercises
+from course_tools.grading.integrity import RANK_CONTEXT, Snapshot, guard_modules, trust
 
-trust_folder(Path(__file__).resolve().parents[1])  # course_tools: the code that runs the checks
 DEFAULT_TIMEOUT_S = 150.0
 OUTPUT_LIMIT = 20_000  # characters of a check's output kept (the end, where the failure is)
 
@@ -200,9 +199,11 @@ class _Sandbox:
                 os.close(handle)
             namespace = self.main.__dict__
             # What the checks judge with, before the answer runs: verified after the answer and after the tests,
-            # and by every rank the tests launch (GRADING_VARIABLE).
+            # and by every rank the tests launch (the launcher's rank context: integrity.graded_rank).
+            from course_lib.runtime.launch import RANK_CONTEXT_VARIABLE
+
             snapshot = Snapshot.take(namespace, [name for name in namespace if not name.startswith("__")])
-            os.environ[GRADING_VARIABLE] = "1"
+            os.environ[RANK_CONTEXT_VARIABLE] = RANK_CONTEXT
             test_file = self.source_file(check["test_code"], check["test_id"])
             for path in self.setup_files + [test_file]:  # the instructor's code; the answers are not trusted
                 trust(path)

@@ -616,7 +616,7 @@ def bucketed_gradient_sync(model, bucket_cap_mb):
 """,
     "ddp3_ring": """\
 def ring_all_reduce(tensor):
-    from course_lib.runtime.collectives import ring_all_reduce as ring
+    from course_lib.data_parallel.collectives import ring_all_reduce as ring
 
     return ring(tensor)
 """,
@@ -852,7 +852,7 @@ def load_ranked(directory, model):
 """,
     "job3_eval": """\
 def evaluate_on_ranks(model, batches):
-    from course_lib.runtime.collectives import mean_over_ranks
+    from course_lib.data_parallel.collectives import mean_over_ranks
 
     model.eval()
     with torch.no_grad():

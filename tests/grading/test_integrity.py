@@ -1,4 +1,4 @@
-"""What judges a graded check cannot be replaced under it (course_lib/runtime/integrity.py): the snapshot on its
+"""What judges a graded check cannot be replaced under it (course_tools/grading/integrity.py): the snapshot on its
 own, in the grading sandbox (after the answer, after the tests) and in the ranks a check launches.
 
     .venv/bin/python -m pytest -q tests/grading/test_integrity.py
@@ -14,9 +14,9 @@ import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_notebook
 
+from course_lib.runtime.launch import RANK_CONTEXT_VARIABLE, RankFailure, launch
 from course_tools.grading import grade
-from course_lib.runtime.integrity import GRADING_VARIABLE, IntegrityError, Snapshot
-from course_lib.runtime.launch import RankFailure, launch
+from course_tools.grading.integrity import RANK_CONTEXT, IntegrityError, Snapshot
 
 # ------------------------------------------------------------------ the snapshot
 
@@ -161,7 +161,7 @@ def test_a_patch_that_undoes_itself_is_refused_as_it_happens(scale_notebook):
 def test_the_snapshot_still_sees_what_the_guard_cannot(monkeypatch):
     """A write to a module's dictionary goes around the guard (the audit refuses `vars` and `__dict__` in an answer;
     code loaded at run time could do it): the snapshot names it when the check ends."""
-    from course_lib.runtime import integrity
+    from course_tools.grading import integrity
 
     snapshot = Snapshot.take()
     original = math.isclose
@@ -195,7 +195,7 @@ def test_a_rank_of_a_graded_check_fails_when_its_worker_replaced_a_function(monk
     monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "fork")
     assert launch(patch_isclose_on_rank_1, 2, log_dir=tmp_path / "plain", timeout_s=10, echo=False) == [0, 1], (
         "outside grading, a rank's worker may do what it likes")
-    monkeypatch.setenv(GRADING_VARIABLE, "1")
+    monkeypatch.setenv(RANK_CONTEXT_VARIABLE, RANK_CONTEXT)
     with pytest.raises(RankFailure) as failure:
         launch(patch_isclose_on_rank_1, 2, log_dir=tmp_path / "graded", timeout_s=10, echo=False)
     assert "rank 1" in str(failure.value) and "IntegrityError" in str(failure.value)

@@ -7,7 +7,7 @@
 - SLURM: the #SBATCH lines; a dry run whose launch line (as srun receives it) goes through torchrun's and
   course_lib.train's own argument parsers; real CPU runs of the unchanged files with `srun` and `scontrol`
   faked (FAKE_SRUN below starts its command once per simulated node with the SLURM_* variables a real srun
-  sets; FAKE_SCONTROL expands node lists with course_lib.runtime.cluster); opt-in, the same files through a real Slurm.
+  sets; FAKE_SCONTROL expands node lists with course_lib.cluster.slurm); opt-in, the same files through a real Slurm.
 - Kubernetes: the PyTorchJob's pods x GPUs against torchrun's flags, its command through the same parsers.
 - DeepSpeed: every config through DeepSpeed's own DeepSpeedConfig at the cluster's world size, its optimizer,
   schedule and precision against the course's, and real runs under the `deepspeed` launcher.
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from runtime.test_torchrun_multinode import clean_environ, run_process_tree  # tests/ is on sys.path (conftest.py)
+from cluster.test_torchrun_multinode import clean_environ, run_process_tree  # tests/ is on sys.path (conftest.py)
 from torch.distributed.run import get_args_parser as torchrun_parser
 
 from course_lib import train as course_train
@@ -39,7 +39,7 @@ from course_lib.core.model import GPT
 from course_lib.core.optim import configure_optimizer, get_lr
 from course_lib.core.steps import evaluate
 from course_lib.integrations.deepspeed_train import resolve_configs
-from course_lib.runtime.cluster import slurm_to_torch_env
+from course_lib.cluster.slurm import slurm_to_torch_env
 from course_lib.runtime.env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ PRECISION_OF_GPU = "bf16"  # what precision "auto" picks on a current GPU (cours
 FAKE_SRUN = r'''
 """srun, faked: run the command once per node of $SLURM_JOB_NODELIST (one task per node), side by side."""
 import json, os, signal, subprocess, sys, threading
-from course_lib.runtime.cluster import expand_nodelist
+from course_lib.cluster.slurm import expand_nodelist
 
 argv, options = sys.argv[1:], {}
 while argv and argv[0].startswith("-"):
@@ -111,7 +111,7 @@ sys.exit(next((proc.returncode for proc in procs if proc.returncode != 0), 0))
 FAKE_SCONTROL = r'''
 """scontrol, faked: `scontrol show hostnames <list>` expands a node list; anything else is only logged."""
 import json, os, sys
-from course_lib.runtime.cluster import expand_nodelist
+from course_lib.cluster.slurm import expand_nodelist
 
 args = sys.argv[1:]
 with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
@@ -245,7 +245,7 @@ def test_sbatch_default_launch_line_agrees_with_torchrun_and_the_training_cli(tm
     torch_env = slurm_to_torch_env(dict(env, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0"))
     assert launch.nnodes == str(nnodes) and launch.nproc_per_node == str(gpus)
     assert launch.rdzv_backend == "c10d" and launch.rdzv_id == env["SLURM_JOB_ID"]
-    assert launch.rdzv_endpoint == f"{torch_env['MASTER_ADDR']}:{torch_env['MASTER_PORT']}"  # course_lib.runtime.cluster's rule
+    assert launch.rdzv_endpoint == f"{torch_env['MASTER_ADDR']}:{torch_env['MASTER_PORT']}"  # course_lib.cluster.slurm's rule
     assert cfg.strategy == "ddp" and cfg.device == "auto" and cfg.precision == "auto"  # bf16 on GPUs, fp32 on CPUs
     assert cfg.out_dir.startswith("runs/") and cfg.log_dir.startswith("logs/")
     if name == "multinode":

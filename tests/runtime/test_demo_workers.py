@@ -21,7 +21,7 @@ from course_lib.data_parallel.loading import (
     write_token_shards,
 )
 from course_lib.observability.experiment_log import read_tensorboard_scalars
-from course_lib.runtime.collectives import gather_to_rank0, mean_over_ranks, rank_tag
+from course_lib.data_parallel.collectives import gather_to_rank0, mean_over_ranks, rank_tag
 from course_lib.checkpoint.workers import barrier_race, train_logged
 from course_lib.runtime.launch import RankFailure, launch
 

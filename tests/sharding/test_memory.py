@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from course_lib.memory.formulas import zero_memory_per_gpu
-from course_lib.runtime.collectives import shard_numel
+from course_lib.data_parallel.collectives import shard_numel
 from course_lib.runtime.launch import launch
 from course_lib.runtime.spawn import single_process_group
 from course_lib.sharding.memory import KINDS, expected_model_states, live_bytes, local_tensor, measure_model_states

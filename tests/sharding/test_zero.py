@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from course_lib.core.model import GPT, GPTConfig
-from course_lib.runtime.collectives import shard_numel
+from course_lib.data_parallel.collectives import shard_numel
 from course_lib.runtime.launch import launch
 from course_lib.runtime.spawn import single_process_group
 from course_lib.sharding import apply_zero

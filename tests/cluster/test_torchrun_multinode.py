@@ -1,6 +1,6 @@
 """Two torchrun agents on this machine forming one two-node job, as two cluster nodes would.
 
-    .venv/bin/python -m pytest -q tests/runtime/test_torchrun_multinode.py
+    .venv/bin/python -m pytest -q tests/cluster/test_torchrun_multinode.py
 
 Each agent is started the way a node's launcher starts it (--nnodes=2 --node_rank=N --rdzv_backend=c10d
 --rdzv_endpoint=127.0.0.1:<port> --rdzv_id=<job>), in its own session. `--local_addr` gives the two "nodes"
@@ -111,7 +111,7 @@ def run_process_tree(commands: list[list], env: dict | None = None, cwd=None, ti
 def two_node_commands(port: int, program: list[str], nproc_per_node: int = 1, extra: tuple = ()) -> list[list]:
     """The two nodes' torchrun command lines, node 1 first (start order must not matter).
 
-    NODE_RANK is set per node as a cluster's node launcher would (course_lib.runtime.multinode_demo reads it).
+    NODE_RANK is set per node as a cluster's node launcher would (course_lib.cluster.multinode_demo reads it).
     """
     return [["env", f"NODE_RANK={node}", TORCHRUN, "--nnodes=2", f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}",
              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=job-{port}",
@@ -123,9 +123,9 @@ JOINED = re.compile(r"joined: node (\d), local rank (\d), global rank (\d) of (\
 
 def test_two_agents_form_one_job_with_c10d_rendezvous(tmp_path):
     """2 nodes x 2 workers: every rank knows its place, the all_reduce is right, everyone passes the barrier."""
-    env = clean_environ(NPROC_PER_NODE="2")  # course_lib.runtime.multinode_demo checks RANK = node * 2 + local rank
+    env = clean_environ(NPROC_PER_NODE="2")  # course_lib.cluster.multinode_demo checks RANK = node * 2 + local rank
     (node1, out1), (node0, out0) = run_process_tree(
-        two_node_commands(free_port(), ["-m", "course_lib.runtime.multinode_demo"], nproc_per_node=2), env=env,
+        two_node_commands(free_port(), ["-m", "course_lib.cluster.multinode_demo"], nproc_per_node=2), env=env,
         cwd=tmp_path)
     assert (node0, node1) == (0, 0), out0 + out1
     for out, node in ((out0, 0), (out1, 1)):
@@ -144,13 +144,13 @@ def test_max_restarts_recovers_a_rank_that_fails_once(tmp_path):
     # (pytorch/pytorch#135712); the cluster files set the same variable.
     env = clean_environ(FAIL_RANK="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     (node1, out1), (node0, out0) = run_process_tree(
-        two_node_commands(free_port(), ["-m", "course_lib.runtime.elastic_demo"], extra=("--max-restarts=1",)),
+        two_node_commands(free_port(), ["-m", "course_lib.cluster.elastic_demo"], extra=("--max-restarts=1",)),
         env=env, cwd=tmp_path)
     assert (node0, node1) == (0, 0), out0 + out1
     # Node 1's agent restarted its failed worker: its count went to 1.
     assert "attempt 0: rank 1 fails on purpose" in out1, out1
     assert "attempt 1: rank 1 of 2" in out1 and "attempt 1: rank 1 finished (correct all_reduce)" in out1, out1
-    # Node 0's agent restarted its worker too (its count is its own: 0 or 1, see course_lib.runtime.elastic_demo).
+    # Node 0's agent restarted its worker too (its count is its own: 0 or 1, see course_lib.cluster.elastic_demo).
     assert len(re.findall(r"attempt \d: rank 0 of 2 .* joined", out0)) == 2, out0
     assert len(re.findall(r"attempt \d: rank 0 finished \(correct all_reduce\)", out0)) == 1, out0
 
@@ -159,7 +159,7 @@ def test_without_restarts_the_failure_ends_the_job(tmp_path):
     """The same crash with --max-restarts=0: both nodes exit non-zero and nobody finishes."""
     env = clean_environ(FAIL_RANK="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     (node1, out1), (node0, out0) = run_process_tree(
-        two_node_commands(free_port(), ["-m", "course_lib.runtime.elastic_demo"], extra=("--max-restarts=0",)),
+        two_node_commands(free_port(), ["-m", "course_lib.cluster.elastic_demo"], extra=("--max-restarts=0",)),
         env=env, cwd=tmp_path)
     assert node1 != 0 and node0 != 0, out0 + out1
     assert "finished" not in out0 + out1

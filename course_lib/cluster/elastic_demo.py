@@ -2,10 +2,10 @@
 
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1      # a fresh store per restart: book/cluster/torchrun.md
     torchrun --nproc_per_node=2 --max-restarts=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29400 \\
-        -m course_lib.runtime.elastic_demo
+        -m course_lib.cluster.elastic_demo
     # two "nodes" on one machine: run each line in its own terminal
     torchrun --nnodes=2 --nproc_per_node=1 --max-restarts=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29400 \\
-        --rdzv_id=demo -m course_lib.runtime.elastic_demo
+        --rdzv_id=demo -m course_lib.cluster.elastic_demo
 
 Each torchrun agent counts the restarts of its own workers in TORCHELASTIC_RESTART_COUNT (0 at first). On
 attempt 0, rank FAIL_RANK (environment, default 1) raises after the first all_reduce, as a rank hitting a bad

@@ -1,8 +1,8 @@
-"""course_lib.runtime.collective_gate: collectives recorded and refused where every road meets (the dispatcher's
+"""course_lib.data_parallel.collective_gate: collectives recorded and refused where every road meets (the dispatcher's
 c10d operators, and the Backend methods), whatever name reached them. The ring exercise's check uses it
 (tests/data_parallel/test_sync_exercise_workers.py runs the roads on two ranks).
 
-    .venv/bin/python -m pytest -q tests/runtime/test_collective_gate.py
+    .venv/bin/python -m pytest -q tests/data_parallel/test_collective_gate.py
 """
 
 import pytest
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import distributed_c10d
 
-from course_lib.runtime.collective_gate import CollectiveRefused, kind_of, process_group_calls
+from course_lib.data_parallel.collective_gate import CollectiveRefused, kind_of, process_group_calls
 from course_lib.runtime.spawn import single_process_group
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from course_lib.runtime.cluster import expand_nodelist, expand_tasks_per_node, node_rank_range, slurm_to_torch_env
+from course_lib.cluster.slurm import expand_nodelist, expand_tasks_per_node, node_rank_range, slurm_to_torch_env
 
 
 @pytest.mark.parametrize("nodelist,expected", [

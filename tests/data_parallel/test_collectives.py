@@ -1,10 +1,10 @@
 """The one-tensor all-gather and reduce-scatter under torch's current names, and the older names' fallback.
 
-    .venv/bin/python -m pytest -q tests/runtime/test_collectives.py
+    .venv/bin/python -m pytest -q tests/data_parallel/test_collectives.py
 
 torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor to all_gather_single and
 reduce_scatter_single, and the old names print a FutureWarning at every call site of every rank; torch 2.11
-has only the old names. course_lib.runtime.collectives calls whichever the installed torch has.
+has only the old names. course_lib.data_parallel.collectives calls whichever the installed torch has.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.runtime import collectives
-from course_lib.runtime.collectives import all_gather_single, reduce_scatter_single
+from course_lib.data_parallel import collectives
+from course_lib.data_parallel.collectives import all_gather_single, reduce_scatter_single
 from course_lib.runtime.launch import launch
 from course_lib.runtime.spawn import single_process_group
 

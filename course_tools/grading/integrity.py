@@ -22,12 +22,14 @@ import adds its submodule to its package).
 A patch that undoes itself before the snapshot is verified (it replaces a function, the tests call the fake
 once, the fake puts the original back) leaves nothing to see afterwards, so `guard_modules()` also refuses the
 replacement as it happens: every watched module refuses to rebind a function, class or module while code that
-is not trusted is running (on the call stack): trusted is course_lib, the Python installation (standard library,
-torch and the other installed packages) and the files `trust()` names (the notebook's setup and test cells).
+is not trusted is running (on the call stack): trusted is course_lib and course_tools, the Python installation
+(standard library, torch and the other installed packages) and the files `trust()` names (the notebook's setup
+and test cells).
 The learner's answer, the modules ranks import it from, and whatever it loads at run time are not trusted.
 
-The grading sandbox takes a snapshot and guards the modules in every check, and sets GRADING_VARIABLE, so that
-every rank the check launches does the same around the worker (course_lib.runtime.launch).
+The grading sandbox takes a snapshot and guards the modules in every check, and names `graded_rank` in
+course_lib.runtime.launch's RANK_CONTEXT_VARIABLE, so that every rank the check launches does the same around
+its worker (the learner's library never imports the grading: the launcher loads what the variable names).
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ import sys
 import sysconfig
 import types
 import warnings
+from contextlib import contextmanager
 
-GRADING_VARIABLE = "COURSE_GRADING_INTEGRITY"
+import course_lib
+
+RANK_CONTEXT = f"{__name__}:graded_rank"
+"""What the grading sandbox sets course_lib.runtime.launch.RANK_CONTEXT_VARIABLE to."""
 """Set to 1 by the grading sandbox: each rank a graded check launches verifies a snapshot after its worker."""
 
 WATCHED_MODULES = ("builtins", "math", "cmath", "operator", "functools", "itertools", "copy", "random", "os",
@@ -149,21 +155,15 @@ _TRUSTED_FILES: set[str] = set()
 _MISSING = object()
 
 
-_TRUSTED_FOLDERS: set[str] = set()
-
-
 def trust(path) -> None:
     """Code in this file may rebind what the checks judge with (a notebook's setup and test cells)."""
     _TRUSTED_FILES.add(os.path.abspath(str(path)))
 
 
-def trust_folder(path) -> None:
-    """Code anywhere under this folder may too (the grading package that runs the checks)."""
-    _TRUSTED_FOLDERS.add(os.path.abspath(str(path)))
-
-
 def _trusted_roots() -> tuple[str, ...]:
-    roots = {os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sys.prefix, sys.base_prefix, *_TRUSTED_FOLDERS,
+    roots = {os.path.dirname(os.path.abspath(course_lib.__file__)),  # course_lib
+             os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # course_tools
+             sys.prefix, sys.base_prefix,
              *(sysconfig.get_paths().get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib"))}
     return tuple(os.path.abspath(root) + os.sep for root in roots if root)
 
@@ -216,3 +216,13 @@ def guard_modules() -> int:
             module.__class__ = _GuardedModule
             guarded += 1
     return guarded
+
+
+@contextmanager
+def graded_rank(rank: int):
+    """Around the worker of every rank a graded check launches: a snapshot, the guard, and the snapshot verified
+    once the worker returned (an IntegrityError fails the rank, and the launcher stops the others)."""
+    snapshot = Snapshot.take()
+    guard_modules()
+    yield
+    snapshot.verify(f"on rank {rank}, after the worker ran")

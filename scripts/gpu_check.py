@@ -219,7 +219,7 @@ def gpt2_small_mfu(batch_size: int = 16, steps: int = 10, compile_model: bool = 
     """
     from course_lib.core.optim import configure_optimizer
     from course_lib.observability.profiling import gpu_peak_flops
-    from course_lib.testing import seeded_gpt
+    from course_lib.parity import seeded_gpt
 
     device = torch.device("cuda", 0)
     model = seeded_gpt(0, "gpt2-small").to(device)

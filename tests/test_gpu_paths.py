@@ -11,7 +11,7 @@ from course_lib.core.model import GPT, GPTConfig
 from course_lib.data_parallel.torch_ddp import train_and_accumulate
 from course_lib.runtime.env import CUDA_BACKEND, get_dist_info
 from course_lib.runtime.launch import DEVICE_GUARD_VARIABLE, launch
-from course_lib.testing import global_batches
+from course_lib.parity import global_batches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -14,7 +14,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = REPO_ROOT / "course_lib"
-TOP_LEVEL_MODULES = {"__init__", "train", "evaluation", "nbtools", "testing"}
+TOP_LEVEL_MODULES = {"__init__", "train", "evaluation", "nbtools", "parity"}
 
 # Imports inside a function body, each with the reason it cannot be at the top of its module.
 FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str], str] = {
@@ -125,7 +125,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_the_imports_it_checks():
     """The walk must find real edges, or every assertion below passes on an empty graph."""
-    assert "course_lib.core.model" in GRAPH["course_lib.testing"]
+    assert "course_lib.core.model" in GRAPH["course_lib.parity"]
     assert "course_lib.sharding.zero" in GRAPH["course_lib.sharding"]  # apply_zero builds on both optimizers
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -225,7 +225,7 @@ NOTEBOOKS = sorted((REPO_ROOT / "solutions").glob("*/*.ipynb"))
 def test_notebook_imports_are_recognised():
     assert notebook_imports(NOTEBOOKS[0]), "no course_lib import found in the first notebook: the walk is broken"
     assert "course_lib.data_parallel" in ROOTS and "course_lib.train" in ROOTS
-    assert "course_lib.data_parallel.scratch" not in ROOTS
+    assert "course_lib.data_parallel.ddp" not in ROOTS
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")

@@ -19,7 +19,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 
 SAVE_STEP = 7
 SHARD_HEADER_BYTES = 4096

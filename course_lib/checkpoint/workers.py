@@ -22,7 +22,7 @@ from course_lib.core.steps import train_step
 from course_lib.data_parallel.loading import ensure_shards, make_loader, rank_dataset
 from course_lib.data_parallel.collectives import gather_to_rank0, mean_over_ranks, rank_tag
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import flat_parameters, seeded_gpt
+from course_lib.parity import flat_parameters, seeded_gpt
 
 log = logging.getLogger("course")  # course_lib.runtime.launch sends it to logs/rank_<r>/train.log
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.runtime.env import free_port
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 
 NODE_VARIABLES = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

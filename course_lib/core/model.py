@@ -2,7 +2,7 @@
 
 The same code describes a ~100K-parameter toy and GPT-2-small (124M): only the config changes.
 Nothing here knows about distributed training; parallelism is applied to a model from outside
-(course_lib.data_parallel.scratch, course_lib.sharding.fsdp, ...).
+(course_lib.data_parallel.ddp, course_lib.sharding.fsdp, ...).
 
 Self-check (prints the logits shape and the loss of an untrained model):
 

@@ -18,7 +18,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                 "read_shard_index", "rank_shards", "rank_dataset", "make_loader", "PipelineTiming",
                 "time_input_pipeline", "make_train_step", "compare_workers", "ensure_shards"),
     "sampler": ("shard_indices",),
-    "scratch": ("broadcast_parameters", "allreduce_gradients", "assign_buckets", "Bucket", "BucketedDataParallel"),
+    "ddp": ("broadcast_parameters", "allreduce_gradients", "assign_buckets", "Bucket", "BucketedDataParallel"),
     "sync_exercise_workers": ("RING_SHAPES", "check_gradient_sync", "check_ring_all_reduce",
                               "expected_bucket_sizes", "sync_reference"),
     "torch_ddp": ("apply_ddp", "TokenWindows", "recording_allreduce_hook", "ddp_train", "no_sync_accumulation",

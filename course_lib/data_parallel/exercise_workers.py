@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from course_lib.core.model import GPT
 from course_lib.core.optim import make_scheduler
 from course_lib.core.steps import train_step as reference_train_step
-from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
+from course_lib.parity import global_batches, gradients, local_rows, seeded_gpt
 
 
 def _tiny_model(seed: int, frozen: tuple[str, ...] = ()) -> GPT:

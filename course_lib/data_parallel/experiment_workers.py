@@ -28,14 +28,14 @@ from course_lib.core.data import load_tokens, prepare_tokens
 from course_lib.core.optim import configure_optimizer
 from course_lib.core.steps import train_step
 from course_lib.data_parallel.loading import make_loader, rank_dataset
-from course_lib.data_parallel.scratch import BucketedDataParallel, broadcast_parameters
+from course_lib.data_parallel.ddp import BucketedDataParallel, broadcast_parameters
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.data_parallel.workers import GRADIENT_SYNCS, data_parallel_run, ring_allreduce_check, timed_sync_step
 from course_lib.observability.profiling import make_setup, medians, run_step
 from course_lib.data_parallel.collectives import slowest
 from course_lib.runtime.env import get_dist_info
 from course_lib.runtime.launch import run_each
-from course_lib.testing import flat_parameters, local_rows, seeded_gpt
+from course_lib.parity import flat_parameters, local_rows, seeded_gpt
 
 log = logging.getLogger("course")  # course_lib.runtime.launch sends it to logs/rank_<r>/train.log
 

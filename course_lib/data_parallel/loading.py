@@ -38,7 +38,7 @@ from course_lib.core.checks import positive_int
 from course_lib.core.data import load_tokens, prepare_tokens
 from course_lib.core.steps import train_step
 from course_lib.observability.timing import machine_line
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 
 SHARD_INDEX = "index.json"
 DELAY_KINDS = ("io", "cpu")

@@ -15,9 +15,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from course_lib.data_parallel.scratch import assign_buckets
+from course_lib.data_parallel.ddp import assign_buckets
 from course_lib.data_parallel.collective_gate import COLLECTIVES, process_group_calls
-from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
+from course_lib.parity import global_batches, gradients, local_rows, seeded_gpt
 
 FROZEN = ("blocks.0.attn.q_proj.weight", "norm_f.weight")
 """Parameters frozen in the second case: no gradient, so no communication for them."""

@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from course_lib.core.data import load_tokens, prepare_tokens
 from course_lib.core.optim import configure_optimizer
 from course_lib.core.steps import train_step
-from course_lib.data_parallel.scratch import BucketedDataParallel
+from course_lib.data_parallel.ddp import BucketedDataParallel
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import flat_parameters, global_batches, seeded_gpt
+from course_lib.parity import flat_parameters, global_batches, seeded_gpt
 
 log = logging.getLogger("course")
 
@@ -38,7 +38,7 @@ _DDP_ARGUMENTS = set(inspect.signature(DistributedDataParallel.__init__).paramet
 def apply_ddp(model: nn.Module, device: torch.device | None = None, group=None, impl: str = "torch") -> nn.Module:
     """Data parallelism over `group` (default: all ranks): torch DDP (impl="torch") on the model's device (one GPU
     per rank: device_ids; on the CPU: none), or the course's BucketedDataParallel (impl="scratch", from
-    course_lib.data_parallel.scratch: call its finish_gradient_sync() after backward). Returns the wrapper to
+    course_lib.data_parallel.ddp: call its finish_gradient_sync() after backward). Returns the wrapper to
     train through; `model` stays the plain module (its state dict, evaluation).
 
     No buffer sync before each forward: the model's only buffers are the rotary cos/sin tables, computed

@@ -2,7 +2,7 @@
 
     from course_lib.runtime.launch import launch
     from course_lib.data_parallel.workers import data_parallel_run
-    from course_lib.testing import single_process_run
+    from course_lib.parity import single_process_run
     ranks = launch(data_parallel_run, world_size=2, kwargs=dict(strategy="bucketed", steps=3))
     reference = single_process_run(steps=3)
 """
@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.steps import train_step
-from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients, broadcast_parameters
+from course_lib.data_parallel.ddp import BucketedDataParallel, allreduce_gradients, broadcast_parameters
 from course_lib.data_parallel.collectives import ring_all_reduce
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import global_batches, gradients, local_rows, seeded_gpt
+from course_lib.parity import global_batches, gradients, local_rows, seeded_gpt
 
 GRADIENT_SYNCS = ("naive", "bucketed", "torch_ddp")
 

@@ -3,7 +3,7 @@
     python -m course_lib.hybrid.dp_tp                      # 4 CPU ranks: dp=2 x tp=2, both data-parallel variants
 
     from course_lib.runtime.launch import launch
-    from course_lib.testing import single_process_run
+    from course_lib.parity import single_process_run
     from course_lib.hybrid.dp_tp import check_parity, dp_tp_run
     ranks = launch(dp_tp_run, 4, kwargs=dict(dp=2, tp=2, steps=3), threads_per_rank=1)
     check_parity(ranks, single_process_run(steps=3))     # raises unless every rank matches one process
@@ -42,12 +42,12 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.steps import train_step
-from course_lib.data_parallel.scratch import allreduce_gradients
+from course_lib.data_parallel.ddp import allreduce_gradients
 from course_lib.sharding.fsdp import apply_fsdp
 from course_lib.runtime.launch import launch, run_each
 from course_lib.tensor_parallel.dtensor import apply_dtensor_tp, full_copy
-from course_lib.tensor_parallel.scratch import check_tensor_parallel_config
-from course_lib.testing import global_batches, local_rows, seeded_gpt, single_process_run
+from course_lib.tensor_parallel.tp_layers import check_tensor_parallel_config
+from course_lib.parity import global_batches, local_rows, seeded_gpt, single_process_run
 
 DATA_PARALLEL = ("allreduce", "fsdp")
 
@@ -117,7 +117,7 @@ def dp_tp_run(dp: int = 2, tp: int = 2, steps: int = 3, preset: str = "tiny", gl
 def check_parity(ranks: list[dict], reference: dict) -> dict:
     """Assert every rank equals one process on the whole global batch; return the largest differences.
 
-    ranks: dp_tp_run's results (one per rank); reference: course_lib.testing.single_process_run's.
+    ranks: dp_tp_run's results (one per rank); reference: course_lib.parity.single_process_run's.
     The tp ranks of one replica see the same rows, so their losses are equal; the replicas see different
     rows, and the mean of their losses is the global batch's loss.
     """

@@ -9,7 +9,7 @@ from course_lib import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "experiment_log": ("WANDB_REQUIREMENT", "wandb_available", "gradient_norms", "ExperimentLogger",
                        "read_tensorboard_scalars", "read_wandb_history"),
-    "fused_kernels": ("ADAMW_IMPLS", "NOT_KERNELS", "OpCall", "record_ops", "op_summary", "silu_comparison",
+    "kernel_comparisons": ("ADAMW_IMPLS", "NOT_KERNELS", "OpCall", "record_ops", "op_summary", "silu_comparison",
                       "make_adamw", "adamw_comparison", "attention_comparison", "format_rows"),
     "gpu_monitor": ("MIB", "QUERY_FIELDS", "NVIDIA_SMI_TIMEOUT_S", "GPUStat", "GPUSnapshot",
                     "parse_nvidia_smi_csv", "gpu_snapshot", "summarise_allocator", "torch_memory",

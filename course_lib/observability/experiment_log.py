@@ -35,7 +35,7 @@ import torch
 from course_lib.core.data import RandomBatches, synthetic_tokens
 from course_lib.core.metrics import MetricsLogger
 from course_lib.core.steps import train_step
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 
 WANDB_REQUIREMENT = "wandb==0.31.0"
 _WANDB_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version: the start of a .wandb file

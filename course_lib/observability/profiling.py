@@ -38,7 +38,7 @@ from course_lib.core.data import RandomBatches, load_tokens, synthetic_tokens
 from course_lib.core.optim import configure_optimizer
 from course_lib.core.steps import train_step
 from course_lib.observability.timing import machine_line, setup_threads, time_alternating, time_fn
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 
 PHASES = ("data", "forward", "backward", "communication", "optimizer")
 CATEGORIES = ("matmul", "attention", "optimizer", "communication", "other operators", "outside operators")

@@ -34,10 +34,10 @@ from course_lib.core.data import eval_batches
 from course_lib.core.model import GPT
 from course_lib.core.optim import configure_optimizer
 from course_lib.core.steps import accumulate_gradients, clip_gradients, evaluate
-from course_lib.data_parallel.scratch import allreduce_gradients
+from course_lib.data_parallel.ddp import allreduce_gradients
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.parallel.layout import Layout
-from course_lib.pipeline_parallel.scratch import (
+from course_lib.pipeline_parallel.stage import (
     GPTStage,
     PipelineRunner,
     allreduce_tied_grad,

@@ -25,7 +25,7 @@ from course_lib.pipeline_parallel.schedules import SCHEDULES
 ZERO_STAGES = (0, 1, 2, 3)
 DDP_IMPLEMENTATIONS = ("torch", "scratch")
 """How replicas average their gradients when nothing is sharded: torch's DistributedDataParallel, or the course's
-BucketedDataParallel (course_lib.data_parallel.scratch)."""
+BucketedDataParallel (course_lib.data_parallel.ddp)."""
 MESH_DIMS = DEFAULT_ORDER
 """('dp', 'pp', 'tp'): the mesh dimensions from slowest- to fastest-varying rank."""
 

@@ -3,7 +3,7 @@
 GPipe runs every forward, then every backward; 1F1B warms up with n_stages - stage forwards, then alternates
 one forward and one backward, then drains. simulate_schedule draws the ideal timeline of either, the bubble
 fraction is (p - 1) / (m + p - 1) for both, and pipeline_comm_bytes is what crosses each stage boundary.
-course_lib.pipeline_parallel.scratch runs these schedules on real ranks.
+course_lib.pipeline_parallel.stage runs these schedules on real ranks.
 
     from course_lib.pipeline_parallel.schedules import schedule_actions, predicted_bubble_fraction
     schedule_actions("1f1b", n_stages=4, stage=0, micro_batches=8)   # [('F', 0), ..., ('B', 7)]

@@ -1,7 +1,7 @@
 """The same pipeline with torch.distributed.pipelining: PipelineStage plus ScheduleGPipe or Schedule1F1B.
 
-The stage modules are course_lib.pipeline_parallel.scratch.GPTStage (cut by hand, no tracing); torch takes over what
-course_lib.pipeline_parallel.scratch.PipelineRunner does by hand: splitting the batch into micro-batches, the
+The stage modules are course_lib.pipeline_parallel.stage.GPTStage (cut by hand, no tracing); torch takes over what
+course_lib.pipeline_parallel.stage.PipelineRunner does by hand: splitting the batch into micro-batches, the
 send/recv of activations and gradients (with shapes exchanged on the first step), the order of forwards and
 backwards, and dividing the gradients by the number of micro-batches. The tied embedding is still ours to handle.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from course_lib.pipeline_parallel.scratch import GPTStage, shifted_cross_entropy
+from course_lib.pipeline_parallel.stage import GPTStage, shifted_cross_entropy
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

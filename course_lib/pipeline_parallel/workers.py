@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.core.steps import train_step
-from course_lib.pipeline_parallel.scratch import (
+from course_lib.pipeline_parallel.stage import (
     GPTStage,
     PipelineRunner,
     allreduce_tied_grad,
@@ -25,7 +25,7 @@ from course_lib.pipeline_parallel.scratch import (
     tied_weight_group,
 )
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import global_batches, seeded_gpt, train_whole_batches
+from course_lib.parity import global_batches, seeded_gpt, train_whole_batches
 
 IMPLEMENTATIONS = ("scratch", "torch")
 
@@ -58,7 +58,7 @@ def pipeline_train(schedule: str = "1f1b", steps: int = 3, micro_batches: int = 
                    config_overrides: dict | None = None, global_batch: int = 8, seq_len: int = 32, seed: int = 0,
                    lr: float = 1e-3, optimizer: str = "adamw", implementation: str = "scratch") -> dict:
     """Train this rank's stage for `steps` steps with `schedule`; `implementation` 'scratch'
-    (course_lib.pipeline_parallel.scratch) or 'torch' (torch.distributed.pipelining).
+    (course_lib.pipeline_parallel.stage) or 'torch' (torch.distributed.pipelining).
 
     Every rank builds the full model from the same seed and keeps its stage (a large model would be built
     on the meta device, stage by stage). Returns this rank's stage, first-step gradients and final

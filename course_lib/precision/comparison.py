@@ -32,7 +32,7 @@ from course_lib.core.model import GPTConfig
 from course_lib.core.optim import configure_optimizer
 from course_lib.core.steps import train_step
 from course_lib.observability.timing import machine_line, setup_threads
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -12,7 +12,7 @@ import torch
 from course_lib.core.steps import train_step
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import flat_parameters, seeded_gpt
+from course_lib.parity import flat_parameters, seeded_gpt
 
 log = logging.getLogger("course")  # course_lib.runtime.launch sends it to logs/rank_<r>/train.log
 

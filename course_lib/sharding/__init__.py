@@ -10,7 +10,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "fsdp": ("ShardingStrategy", "SHARDING_STRATEGIES", "PRECISION_POLICIES", "check_strategy", "fsdp_mesh_shape",
              "build_mesh", "mixed_precision_policy", "precision_of", "apply_fsdp", "DEEPSPEED_STAGES",
              "deepspeed_equivalent", "shard_rows", "expected_fsdp_model_states", "local_shapes"),
-    "memory": ("KINDS", "SHARDED_FROM_STAGE", "STEP_COUNTER_BYTES", "local_tensor", "live_bytes",
+    "model_states": ("KINDS", "SHARDED_FROM_STAGE", "STEP_COUNTER_BYTES", "local_tensor", "live_bytes",
                "measure_model_states", "expected_model_states"),
     "zero": ("STAGES", "COMPUTE_DTYPES", "FlatLayout", "ShardedAdamW", "ZeroOptimizer", "ZeroAdamW"),
     "zero3": ("Unit", "default_units", "Zero3Optimizer", "apply_zero"),

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from course_lib.core.steps import train_step
 from course_lib.data_parallel.collective_gate import process_group_calls
-from course_lib.testing import global_batches, local_rows, seeded_gpt
+from course_lib.parity import global_batches, local_rows, seeded_gpt
 
 REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
 ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "all_gather")

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from course_lib.core.checks import positive_int
 from course_lib.core.model import Block
-from course_lib.sharding.memory import STEP_COUNTER_BYTES
+from course_lib.sharding.model_states import STEP_COUNTER_BYTES
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def shard_rows(dim0: int, shard_size: int, shard_index: int) -> tuple[int, int]:
 def expected_fsdp_model_states(model: nn.Module, world_size: int, rank: int, *, strategy: str = "FULL_SHARD",
                                ranks_per_node: int | None = None, optimizer: str = "adamw") -> dict:
     """Bytes of model states rank `rank` holds after an optimizer step, predicted from parameter shapes; the
-    same keys as course_lib.sharding.memory.measure_model_states, which must agree to the byte.
+    same keys as course_lib.sharding.model_states.measure_model_states, which must agree to the byte.
 
     model: the plain or the sharded model (a DTensor's .shape is the full shape); parameters in their dtype.
     - params: padded shard storage, ceil(d0 / S) rows per parameter;

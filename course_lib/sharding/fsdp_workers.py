@@ -36,9 +36,9 @@ from course_lib.sharding.fsdp import (
     mixed_precision_policy,
     apply_fsdp,
 )
-from course_lib.sharding.memory import live_bytes, measure_model_states
+from course_lib.sharding.model_states import live_bytes, measure_model_states
 from course_lib.tensor_parallel.dtensor import full_copy
-from course_lib.testing import global_batches, local_rows, seeded_gpt, train_whole_batches
+from course_lib.parity import global_batches, local_rows, seeded_gpt, train_whole_batches
 
 PADDED = dict(vocab_size=251, n_layer=2, n_head=3, n_embd=36, ffn_hidden=50, block_size=32)
 """A model whose dims 0 (251, 36, 50) do not divide by 2 or 4: FSDP must pad them."""

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.core.optim import param_groups
-from course_lib.data_parallel.scratch import allreduce_gradients, broadcast_parameters
+from course_lib.data_parallel.ddp import allreduce_gradients, broadcast_parameters
 from course_lib.data_parallel.collectives import all_gather_single, reduce_scatter_single, shard_numel
 
 STAGES = (0, 1, 2, 3)

@@ -24,9 +24,9 @@ from course_lib.core.optim import configure_optimizer
 from course_lib.core.steps import train_step
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding import apply_zero
-from course_lib.sharding.memory import live_bytes, measure_model_states
+from course_lib.sharding.model_states import live_bytes, measure_model_states
 from course_lib.sharding.zero import ZeroAdamW
-from course_lib.testing import global_batches, local_rows, seeded_gpt, train_whole_batches
+from course_lib.parity import global_batches, local_rows, seeded_gpt, train_whole_batches
 
 MODEL_PRESET = "tiny"
 MODEL_OVERRIDES = {"n_embd": 66, "n_head": 3}

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.core.model import GPT
 from course_lib.runtime.env import backend_uses_cuda
-from course_lib.tensor_parallel.scratch import check_tensor_parallel_config
+from course_lib.tensor_parallel.tp_layers import check_tensor_parallel_config
 
 
 def make_tp_mesh(tp: int | None = None, device_type: str | None = None) -> DeviceMesh:
@@ -93,7 +93,7 @@ def apply_dtensor_tp(model: GPT, mesh: DeviceMesh, fuse_region_input: bool = Tru
     blocks = getattr(model, "blocks", None)
     if not isinstance(model, GPT) and not isinstance(blocks, nn.ModuleDict):
         raise TypeError(f"apply_dtensor_tp expects a course_lib.core.model.GPT or a pipeline stage of one "
-                        f"(course_lib.pipeline_parallel.scratch.GPTStage), got {type(model).__name__}")
+                        f"(course_lib.pipeline_parallel.stage.GPTStage), got {type(model).__name__}")
     if sequence_parallel and not isinstance(model, GPT):
         raise ValueError("sequence parallelism needs the whole GPT (its embedding and final norm), not a stage")
     if mesh.ndim != 1:

@@ -14,8 +14,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from course_lib.tensor_parallel.scratch import copy_to_parallel_region, reduce_from_parallel_region
-from course_lib.testing import seeded_gpt
+from course_lib.tensor_parallel.tp_layers import copy_to_parallel_region, reduce_from_parallel_region
+from course_lib.parity import seeded_gpt
 
 HIDDEN, WIDTH, ROWS = 6, 16, 3
 """x is (ROWS, HIDDEN); A is (WIDTH, HIDDEN), B is (HIDDEN, WIDTH): WIDTH splits over 1, 2, 4, 8 ranks."""

@@ -27,13 +27,13 @@ from course_lib.core.steps import train_step
 from course_lib.memory.activations import count_saved_bytes
 from course_lib.runtime.env import get_dist_info
 from course_lib.tensor_parallel.dtensor import CollectiveCounter, apply_dtensor_tp, gather_full_dtensor, make_tp_mesh
-from course_lib.tensor_parallel.scratch import (
+from course_lib.tensor_parallel.tp_layers import (
     apply_tensor_parallel,
     gather_full,
     replicated_parameter_names,
     tp_allreduce_bytes_per_layer,
 )
-from course_lib.testing import global_batches, seeded_gpt
+from course_lib.parity import global_batches, seeded_gpt
 
 DEFAULT_RUNS = (
     ("scratch", dict(implementation="scratch")),
@@ -146,7 +146,7 @@ def tensor_parallel_group(tp: int | None = None):
 
 def scratch_tp_run(steps: int = 3, preset: str = "tiny", batch: int = 4, seq_len: int = 32, seed: int = 0,
                    lr: float = 1e-3, tp: int | None = None) -> dict:
-    """course_lib.tensor_parallel.scratch over groups of tp ranks; gathered results and f/g communication counts."""
+    """course_lib.tensor_parallel.tp_layers over groups of tp ranks; gathered results and f/g communication counts."""
     info = get_dist_info()
     group = tensor_parallel_group(tp)
     model = seeded_gpt(seed, preset).to(info.device)  # the same full model on every rank; each keeps its slice

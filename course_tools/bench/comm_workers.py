@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from course_lib.core.steps import train_step
 from course_lib.data_parallel.collectives import ring_all_reduce, slowest
 from course_lib.runtime.env import get_dist_info
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 
 MIB = 2**20
 

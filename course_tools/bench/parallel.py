@@ -5,14 +5,14 @@
 
 One launch per world size (course_lib.runtime.launch, gloo, 1 thread per rank) runs the worker of
 course_tools.bench.parallel_workers: data parallelism (torch DDP), tensor parallelism
-(course_lib.tensor_parallel.scratch) and pipeline parallelism (course_lib.pipeline_parallel.scratch, 1F1B and GPipe)
+(course_lib.tensor_parallel.tp_layers) and pipeline parallelism (course_lib.pipeline_parallel.stage, 1F1B and GPipe)
 each train their own copy of the same model on the same global batches, one step each per round, in an order
 that changes every round (each strategy runs right after every other equally often). Each rank counts the bytes
 it hands to all-reduce and send in every step; this module sets them next to the formulas and turns them into
 rows:
 
 - DP: the gradient, 4 N bytes (N parameters, fp32), all-reduced once per step;
-- TP: 4 b s h bytes x 4 per layer (course_lib.tensor_parallel.scratch.tp_allreduce_bytes_per_layer);
+- TP: 4 b s h bytes x 4 per layer (course_lib.tensor_parallel.tp_layers.tp_allreduce_bytes_per_layer);
 - PP: a micro-batch's activations (forward) or their gradients (backward) across each boundary a stage
   touches, plus the tied embedding's gradient on the first and last stage
   (course_lib.pipeline_parallel.schedules.pipeline_comm_bytes).
@@ -28,7 +28,7 @@ from course_tools.bench.report import (Column, Options, Table, add_ratios, agree
 from course_lib.core.model import GPTConfig
 from course_lib.observability.timing import Timing
 from course_lib.pipeline_parallel.schedules import pipeline_comm_bytes, predicted_bubble_fraction
-from course_lib.tensor_parallel.scratch import tp_allreduce_bytes_per_layer
+from course_lib.tensor_parallel.tp_layers import tp_allreduce_bytes_per_layer
 
 PARALLEL_RANKS = (2, 4)
 LAYERS = {"n_layer": 4}
@@ -121,9 +121,9 @@ def _notes(rows: list[dict], workload: dict, cores: int) -> list[str]:
         f"{first['preset']} preset with {first['n_layer']} blocks ({layers}, so that 4 pipeline stages get one "
         f"each; {first['n_params']:,} parameters), fp32 AdamW, one global batch of {g} x {T} tokens "
         f"({g * T:,}) per step for every strategy and world size. DP = torch DDP, each rank {g}/n sequences. "
-        "TP = course_lib.tensor_parallel.scratch (Megatron from scratch: q/k/v and gate/up split by output, o and down "
+        "TP = course_lib.tensor_parallel.tp_layers (Megatron from scratch: q/k/v and gate/up split by output, o and down "
         "by input), each rank all the sequences through 1/n of every block's heads and MLP width; embedding, "
-        f"norms and lm_head replicated. PP = course_lib.pipeline_parallel.scratch, one stage of n_layer/n blocks per rank, {m} "
+        f"norms and lm_head replicated. PP = course_lib.pipeline_parallel.stage, one stage of n_layer/n blocks per rank, {m} "
         f"micro-batches of {g // m} sequences, 1F1B and GPipe schedules. Each strategy trains its own copy of the "
         "same model in the same ranks, one step per round, each right after every other equally often; all start "
         "from the same loss (first_loss in the JSON).",

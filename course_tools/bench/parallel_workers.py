@@ -14,9 +14,9 @@ AdamW on the same global batches:
 
 - DP: torch DDP, each rank a slice of the batch's rows. A communication hook (torch's own allreduce_hook
   behind a counter) counts the gradient bytes of every bucket DDP all-reduces.
-- TP: course_lib.tensor_parallel.scratch.apply_tensor_parallel over all the ranks, every rank the whole batch; its
+- TP: course_lib.tensor_parallel.tp_layers.apply_tensor_parallel over all the ranks, every rank the whole batch; its
   CommStats count the payload of every f / g all-reduce.
-- PP 1F1B / PP GPipe: course_lib.pipeline_parallel.scratch, one stage per rank, the batch cut into micro-batches;
+- PP 1F1B / PP GPipe: course_lib.pipeline_parallel.stage, one stage per rank, the batch cut into micro-batches;
   PipelineRunner.bytes_sent counts the activations and activation gradients sent, allreduce_tied_grad
   returns the bytes of the tied embedding's gradient that the first and last stage all-reduce.
 
@@ -39,7 +39,7 @@ from course_lib.core.optim import configure_optimizer
 from course_lib.core.steps import train_step
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.observability.timing import williams_orders
-from course_lib.pipeline_parallel.scratch import (
+from course_lib.pipeline_parallel.stage import (
     GPTStage,
     PipelineRunner,
     allreduce_tied_grad,
@@ -48,8 +48,8 @@ from course_lib.pipeline_parallel.scratch import (
 )
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding.zero_workers import TRAINING
-from course_lib.tensor_parallel.scratch import apply_tensor_parallel, check_tensor_parallel_config
-from course_lib.testing import global_batches, local_rows, seeded_gpt
+from course_lib.tensor_parallel.tp_layers import apply_tensor_parallel, check_tensor_parallel_config
+from course_lib.parity import global_batches, local_rows, seeded_gpt
 
 PARALLEL_STRATEGIES = ("DP", "TP", "PP 1F1B", "PP GPipe")
 PP_SCHEDULES = {"PP 1F1B": "1f1b", "PP GPipe": "gpipe"}
@@ -92,7 +92,7 @@ class DataParallel:
 
 
 class TensorParallel:
-    """course_lib.tensor_parallel.scratch over the world: every rank the whole batch and 1/n of every block."""
+    """course_lib.tensor_parallel.tp_layers over the world: every rank the whole batch and 1/n of every block."""
 
     def __init__(self, config: GPTConfig, seed: int, rank: int, world_size: int):
         self.model = seeded_gpt(seed, config=config)
@@ -116,7 +116,7 @@ class TensorParallel:
 
 
 class PipelineParallel:
-    """course_lib.pipeline_parallel.scratch: stage = rank; sends and the tied embedding's gradient all-reduce counted."""
+    """course_lib.pipeline_parallel.stage: stage = rank; sends and the tied embedding's gradient all-reduce counted."""
 
     def __init__(self, config: GPTConfig, seed: int, rank: int, world_size: int, schedule: str,
                  micro_batches: int, tied_group):

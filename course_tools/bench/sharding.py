@@ -7,7 +7,7 @@ One launch per world size (course_lib.runtime.launch, gloo, 1 thread per rank) r
 course_tools.bench.sharding_workers: every strategy trains its own copy of the same model on the same global
 batches, one step each per round, each right after every other equally often. Per rank, right after the last
 optimizer step, the live tensors of parameters, gradients and optimizer states are counted
-(course_lib.sharding.memory) and compared with the formulas: course_lib.sharding.memory.expected_model_states (DDP,
+(course_lib.sharding.model_states) and compared with the formulas: course_lib.sharding.model_states.expected_model_states (DDP,
 ZeRO) and course_lib.sharding.fsdp.expected_fsdp_model_states (FSDP2, which pads every parameter's dim 0).
 """
 
@@ -18,7 +18,7 @@ import os
 from course_tools.bench.report import (Column, Options, Table, add_ratios, agreement, megabytes, oversubscribed_note,
                                      ranks_setup, strategy_rows)
 from course_lib.observability.timing import Timing
-from course_lib.sharding.memory import KINDS
+from course_lib.sharding.model_states import KINDS
 from course_tools.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, sharding_bench
 
 SHARDING_RANKS = (2, 4)
@@ -68,7 +68,7 @@ def run_sharding(opts: Options, strategies=DATA_PARALLEL_STRATEGIES) -> Table:
         "apply_fsdp, every Block then the root). Each strategy trains its own copy of the same model in the "
         "same ranks, one step per round, each right after every other equally often.",
         "MB per rank (10^6 bytes), counted from live tensors right after the last optimizer step, each storage "
-        "once (course_lib.sharding.memory.measure_model_states): params, grads, optim = AdamW's exp_avg and "
+        "once (course_lib.sharding.model_states.measure_model_states): params, grads, optim = AdamW's exp_avg and "
         "exp_avg_sq (torch's AdamW, used by DDP and FSDP, adds a 4-byte step tensor per parameter tensor), "
         "total. Each column is its maximum over the ranks (the last shards carry the padding). formula = "
         "expected_model_states (ZeRO paper: 4+4+8 bytes per parameter, a sharded term 4 or 8 x ceil(P/N)) or "

@@ -15,7 +15,7 @@ rows of the same global batch, in an order that changes every round so that each
 every other equally often (course_lib.observability.timing.williams_orders); all of them see the same stretches
 of machine load.
 
-Memory is counted by course_lib.sharding.memory.measure_model_states right after the last optimizer step and
+Memory is counted by course_lib.sharding.model_states.measure_model_states right after the last optimizer step and
 predicted by expected_model_states (DDP, ZeRO) or course_lib.sharding.fsdp.expected_fsdp_model_states (FSDP). In the
 last warm-up round a PeakProbe also records the most parameter and gradient bytes held at once during forward
 and backward: the gathered units of ZeRO-3 and FSDP and the full gradients ZeRO-2/3 free one by one.
@@ -37,9 +37,9 @@ from course_lib.observability.timing import williams_orders
 from course_lib.runtime.env import get_dist_info
 from course_lib.sharding import ZeroAdamW, apply_zero
 from course_lib.sharding.fsdp import expected_fsdp_model_states, apply_fsdp
-from course_lib.sharding.memory import expected_model_states, live_bytes, measure_model_states
+from course_lib.sharding.model_states import expected_model_states, live_bytes, measure_model_states
 from course_lib.sharding.zero_workers import TRAINING
-from course_lib.testing import global_batches, local_rows, seeded_gpt
+from course_lib.parity import global_batches, local_rows, seeded_gpt
 
 DATA_PARALLEL_STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP FULL_SHARD", "FSDP SHARD_GRAD_OP")
 ZERO_STAGES = {"ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3}
@@ -58,7 +58,7 @@ class PeakProbe:
     wrapper's own hooks, so it sees a full gradient before ZeRO-2/3 reduce-scatter and free it). Counted:
     the model's parameters as they are registered at that moment (FSDP swaps in the gathered ones), the
     at-rest tensors given to `watch` (FSDP's shards, ZeRO's shards), and the gradients of all of them, each
-    storage once (course_lib.sharding.memory.live_bytes). Not counted: activations, the autograd engine's
+    storage once (course_lib.sharding.model_states.live_bytes). Not counted: activations, the autograd engine's
     gradient buffers, and temporaries inside the optimizer step (e.g. ZeRO-1/2's all-gather buffer).
     """
 

@@ -14,7 +14,7 @@ from course_tools.bench.parallel import PARALLEL_RANKS, WORKLOAD, expected_paylo
 from course_tools.bench.parallel_workers import PARALLEL_STRATEGIES, check_parallel_workload, parallel_bench
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.pipeline_parallel.schedules import pipeline_comm_bytes
-from course_lib.tensor_parallel.scratch import tp_allreduce_bytes_per_layer
+from course_lib.tensor_parallel.tp_layers import tp_allreduce_bytes_per_layer
 
 QUICK = WORKLOAD["quick"]
 QUICK_CONFIG = GPTConfig.from_preset(QUICK["preset"], **QUICK["config_overrides"])

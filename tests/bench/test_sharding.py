@@ -13,7 +13,7 @@ from conftest import section_stdout
 from course_tools.bench.sharding import SHARDING_RANKS, WORKLOAD, sharding_rows
 from course_tools.bench.sharding_workers import DATA_PARALLEL_STRATEGIES, PeakProbe, sharding_bench
 from course_lib.core.model import GPT, GPTConfig
-from course_lib.sharding.memory import live_bytes
+from course_lib.sharding.model_states import live_bytes
 
 
 @pytest.fixture

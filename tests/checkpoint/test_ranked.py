@@ -5,7 +5,7 @@ import torch
 
 from course_lib.checkpoint.ranked import load_full_parameters, read_manifest, shard_bounds
 from course_lib.checkpoint.workers import load_ranked, save_ranked, save_twice_dying
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 from course_lib.runtime.launch import RankFailure, launch
 
 pytestmark = pytest.mark.distributed

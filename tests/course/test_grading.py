@@ -394,7 +394,7 @@ from course_lib.checkpoint.atomic import save_checkpoint, load_checkpoint
 """,
     "dp1_average_gradients": """\
 def data_parallel_backward(model, idx):
-    from course_lib.data_parallel.scratch import allreduce_gradients
+    from course_lib.data_parallel.ddp import allreduce_gradients
     _, loss = model(idx, targets=idx)
     loss.backward()
     allreduce_gradients(model)
@@ -604,13 +604,13 @@ DDP_EXERCISES = GradedNotebook("session_b", "02b_ddp_exercises", {
 }, delegations={
     "ddp1_overlap": """\
 def overlapped_gradient_sync(model):
-    from course_lib.data_parallel.scratch import BucketedDataParallel
+    from course_lib.data_parallel.ddp import BucketedDataParallel
 
     return BucketedDataParallel(model, bucket_cap_mb=1e-9, broadcast=False).finish_gradient_sync
 """,
     "ddp2_buckets": """\
 def bucketed_gradient_sync(model, bucket_cap_mb):
-    from course_lib.data_parallel.scratch import BucketedDataParallel
+    from course_lib.data_parallel.ddp import BucketedDataParallel
 
     return BucketedDataParallel(model, bucket_cap_mb, broadcast=False).finish_gradient_sync
 """,
@@ -982,7 +982,7 @@ ZERO_EXERCISES = GradedNotebook("session_d", "02b_zero_exercises", {
 }, delegations={
     "zero1_bytes": """\
 def zero_bytes_per_rank(n_params, world_size, stage, precision="fp32"):
-    from course_lib.sharding.memory import expected_model_states
+    from course_lib.sharding.model_states import expected_model_states
 
     expected = expected_model_states(n_params, world_size, stage, precision=precision)
     return {kind: expected[kind] for kind in ("params", "grads", "optimizer_states")}
@@ -1484,7 +1484,7 @@ def parallelize_block(block, f, g):
 """,
     "mp1_regions": """\
 def megatron_f_and_g():
-    from course_lib.tensor_parallel.scratch import copy_to_parallel_region, reduce_from_parallel_region
+    from course_lib.tensor_parallel.tp_layers import copy_to_parallel_region, reduce_from_parallel_region
 
     return copy_to_parallel_region, reduce_from_parallel_region
 """,

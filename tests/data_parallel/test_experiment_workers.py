@@ -12,7 +12,7 @@ from course_lib.precision.workers import amp_ddp_overflow
 from course_lib.runtime.launch import RankFailure, launch
 from course_lib.runtime.spawn import spawnable
 from course_lib.runtime.demo_workers import collectives_demo
-from course_lib.testing import global_batches
+from course_lib.parity import global_batches
 
 pytestmark = pytest.mark.distributed
 

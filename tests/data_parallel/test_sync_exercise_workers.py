@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.data_parallel.scratch import BucketedDataParallel, allreduce_gradients
+from course_lib.data_parallel.ddp import BucketedDataParallel, allreduce_gradients
 from course_lib.data_parallel.sync_exercise_workers import (RING_SHAPES, check_gradient_sync, check_ring_all_reduce,
                                                             expected_bucket_sizes, sync_reference)
 from course_lib.data_parallel.collectives import ring_all_reduce
 from course_lib.runtime.launch import launch
-from course_lib.testing import seeded_gpt
+from course_lib.parity import seeded_gpt
 
 
 def library_buckets(model, bucket_cap_mb):

@@ -10,7 +10,7 @@ from course_lib.core.model import GPTConfig
 from course_lib.hybrid.dp_tp import DATA_PARALLEL, check_parity, dp_tp_run
 from course_lib.hybrid.layout import rank_groups
 from course_lib.runtime.launch import launch, run_each
-from course_lib.testing import single_process_run
+from course_lib.parity import single_process_run
 
 STEPS, PRESET = 3, "tiny"
 

@@ -5,10 +5,10 @@
 
 import pytest
 import torch
-from pipeline_parallel.test_scratch import assert_matches_reference  # tests/ is on sys.path (conftest.py)
+from pipeline_parallel.test_stage import assert_matches_reference  # tests/ is on sys.path (conftest.py)
 
 from course_lib.core.model import GPT, GPTConfig
-from course_lib.pipeline_parallel.scratch import GPTStage
+from course_lib.pipeline_parallel.stage import GPTStage
 from course_lib.pipeline_parallel.torch_pipelining import build_torch_pipeline
 from course_lib.pipeline_parallel.workers import pipeline_train, reference_run
 from course_lib.runtime.launch import launch, run_each

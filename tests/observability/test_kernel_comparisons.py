@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.observability.fused_kernels import (
+from course_lib.observability.kernel_comparisons import (
     ADAMW_IMPLS,
     adamw_comparison,
     attention_comparison,

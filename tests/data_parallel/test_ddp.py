@@ -5,7 +5,7 @@ import torch
 
 from course_lib.data_parallel.workers import GRADIENT_SYNCS, data_parallel_run, ring_allreduce_check
 from course_lib.runtime.launch import launch, run_each
-from course_lib.testing import single_process_run
+from course_lib.parity import single_process_run
 
 pytestmark = pytest.mark.distributed
 STEPS = 3

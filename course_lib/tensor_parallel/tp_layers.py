@@ -22,7 +22,7 @@ each rank the *full* gradient of the region input (see `apply_tensor_parallel`).
     from course_lib.tensor_parallel.workers import scratch_tp_run
     launch(scratch_tp_run, world_size=2)              # parity with one process, communication counted
 
-    python -m pytest -q tests/tensor_parallel/test_scratch.py
+    python -m pytest -q tests/tensor_parallel/test_tp_layers.py
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from course_lib.core.checks import positive_int, positive_ints
 from course_lib.core.model import GPT, GPTConfig
-from course_lib.data_parallel.scratch import broadcast_parameters
+from course_lib.data_parallel.ddp import broadcast_parameters
 
 TP_ALLREDUCES_PER_LAYER = {"forward": 2, "backward": 2}  # g after attention and MLP; f before them
 

@@ -1,6 +1,6 @@
-"""Tensor parallelism from scratch (course_lib.tensor_parallel.scratch) equals one process holding the whole model.
+"""Tensor parallelism from scratch (course_lib.tensor_parallel.tp_layers) equals one process holding the whole model.
 
-    .venv/bin/python -m pytest -q tests/tensor_parallel/test_scratch.py
+    .venv/bin/python -m pytest -q tests/tensor_parallel/test_tp_layers.py
 
 One 4-rank job runs TP=2 (two groups of 2 ranks) and TP=4 (all ranks); every rank's logits, loss, first-step
 gradients (shards gathered) and parameters after STEPS AdamW steps must equal one process, and the all-reduces
@@ -14,7 +14,7 @@ import torch
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.runtime.launch import launch
 from course_lib.runtime.spawn import single_process_group
-from course_lib.tensor_parallel.scratch import (
+from course_lib.tensor_parallel.tp_layers import (
     TP_ALLREDUCES_PER_LAYER,
     apply_tensor_parallel,
     check_tensor_parallel_config,

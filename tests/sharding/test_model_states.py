@@ -1,6 +1,6 @@
 """The model-state bytes each rank holds, counted from its live tensors, equal the ZeRO formulas to the byte.
 
-    .venv/bin/python -m pytest -q tests/sharding/test_memory.py
+    .venv/bin/python -m pytest -q tests/sharding/test_model_states.py
 
 Measured right after the optimizer step, for torch DDP + torch AdamW (stage 0, with its step counters) and
 for course_lib.sharding.zero stages 0-3, fp32 (K = 8) and mixed precision (bf16 + fp32 master, K = 12), at world
@@ -15,7 +15,7 @@ from course_lib.memory.formulas import zero_memory_per_gpu
 from course_lib.data_parallel.collectives import shard_numel
 from course_lib.runtime.launch import launch
 from course_lib.runtime.spawn import single_process_group
-from course_lib.sharding.memory import KINDS, expected_model_states, live_bytes, local_tensor, measure_model_states
+from course_lib.sharding.model_states import KINDS, expected_model_states, live_bytes, local_tensor, measure_model_states
 from course_lib.sharding.zero_workers import make_model, zero_parity_run
 
 STAGES = (0, 1, 2, 3)

@@ -19,7 +19,7 @@ The formulas (expected_model_states), per rank, Psi = n_params, N = world_size, 
     fp32        4       4      8   (Adam m and v)                   a sharded term is bytes * S: the flat
     mixed       2       2      12  (fp32 master, m and v)           vector is padded to S * N elements
 
-    python -m course_lib.sharding.memory --params 102762 --world-size 4 --precision mixed
+    python -m course_lib.sharding.model_states --params 102762 --world-size 4 --precision mixed
 """
 
 from __future__ import annotations

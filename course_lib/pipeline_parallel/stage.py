@@ -6,7 +6,7 @@ gradients come back the same way. Two schedules order the work on each stage: GP
 every backward) and 1F1B (warm-up, then one forward one backward, then cool-down). Both compute the same
 gradients as one process; 1F1B keeps at most n_stages micro-batches of activations alive instead of all m.
 
-    python -m course_lib.pipeline_parallel.scratch --stages 4 --micro-batches 8     # schedules, ideal timeline, bubble
+    python -m course_lib.pipeline_parallel.stage --stages 4 --micro-batches 8     # schedules, ideal timeline, bubble
 
 The schedules themselves, the bubble and the traffic are in course_lib.pipeline_parallel.schedules (re-exported here).
 Ranks run it through course_lib.pipeline_parallel.workers (launch(pipeline_train, world_size=2, ...)).

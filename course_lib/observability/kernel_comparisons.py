@@ -12,7 +12,7 @@ alternating runs and counted with `record_ops` (the operations that reach the di
 - attention: softmax(q k^T / sqrt(d) + mask) v written out (the (T, T) scores go to memory and back) vs
   `F.scaled_dot_product_attention` (a flash-attention style kernel that never stores them).
 
-    python -m course_lib.observability.fused_kernels            # the three comparisons: medians, ratios, kernels and bytes touched
+    python -m course_lib.observability.kernel_comparisons            # the three comparisons: medians, ratios, kernels and bytes touched
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""course_lib.testing: the pieces every parity check shares behave as the checks assume."""
+"""course_lib.parity: the pieces every parity check shares behave as the checks assume."""
 
 import pytest
 import torch
 
-from course_lib.testing import (flat_parameters, global_batches, gradients, local_rows, seeded_gpt,
+from course_lib.parity import (flat_parameters, global_batches, gradients, local_rows, seeded_gpt,
                                 single_process_run, train_whole_batches)
 
 

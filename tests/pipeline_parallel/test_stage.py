@@ -1,6 +1,6 @@
-"""Pipeline parallelism from scratch (course_lib.pipeline_parallel.scratch): GPipe and 1F1B equal one process.
+"""Pipeline parallelism from scratch (course_lib.pipeline_parallel.stage): GPipe and 1F1B equal one process.
 
-    .venv/bin/python -m pytest -q tests/pipeline_parallel/test_scratch.py
+    .venv/bin/python -m pytest -q tests/pipeline_parallel/test_stage.py
 """
 
 import pytest
@@ -16,7 +16,7 @@ from course_lib.pipeline_parallel.schedules import (
     simulate_schedule,
     with_idle,
 )
-from course_lib.pipeline_parallel.scratch import GPTStage, PipelineRunner, split_layers
+from course_lib.pipeline_parallel.stage import GPTStage, PipelineRunner, split_layers
 from course_lib.pipeline_parallel.workers import pipeline_train, reference_run
 from course_lib.runtime.launch import launch, run_each
 

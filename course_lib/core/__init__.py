@@ -13,7 +13,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
              "prepare_tokens", "load_tokens", "RandomBatches", "eval_batches", "synthetic_tokens"),
     "device": ("PRECISION_CHOICES", "DEVICE_CHOICES", "mps_available", "select_device", "autocast_dtype",
                "autocast_context", "needs_grad_scaler"),
-    "metrics": ("METRICS_FILE", "MetricsLogger", "read_metrics"),
+    "metrics": ("METRICS_FILE", "WANDB_REQUIREMENT", "MetricsLogger", "read_metrics"),
     "model": ("ATTENTION_IMPLS", "GPTConfig", "PRESETS", "RMSNorm", "rotate_half", "apply_rotary_pos_emb",
               "RotaryEmbedding", "MLP", "causal_attention", "CausalSelfAttention", "Block", "next_token_loss",
               "GPT"),

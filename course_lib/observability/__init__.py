@@ -7,7 +7,7 @@ monitoring, fused kernels.
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "experiment_log": ("WANDB_REQUIREMENT", "wandb_available", "gradient_norms", "ExperimentLogger",
+    "experiment_log": ("wandb_available", "gradient_norms", "log_gradients", "log_throughput",
                        "read_tensorboard_scalars", "read_wandb_history"),
     "kernel_comparisons": ("ADAMW_IMPLS", "NOT_KERNELS", "OpCall", "record_ops", "op_summary", "silu_comparison",
                       "make_adamw", "adamw_comparison", "attention_comparison", "format_rows"),

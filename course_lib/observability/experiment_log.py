@@ -1,23 +1,24 @@
-"""One logger for a training run: losses, gradient norms and throughput to TensorBoard, metrics.jsonl
-and, when the `wandb` package is installed, a Weights & Biases run in offline mode (no account needed).
+"""Logging a training run: gradient norms and throughput for the course's one logger
+(course_lib.core.metrics.MetricsLogger: metrics.jsonl, TensorBoard and, with wandb, an offline W&B run), and
+reading TensorBoard and W&B files back.
 
-TensorBoard and metrics.jsonl come from course_lib.core.metrics.MetricsLogger (out_dir/tb, out_dir/metrics.jsonl);
-the W&B run is written to out_dir/wandb/offline-run-<time>-<id>/. Nothing leaves the machine: on a
-cluster node without internet, log offline and upload later from a login node:
+The W&B run is written to out_dir/wandb/offline-run-<time>-<id>/. Nothing leaves the machine: on a cluster node
+without internet, log offline and upload later from a login node:
 
     tensorboard --logdir runs/                      # then open http://localhost:6006
     wandb login                                     # once, on a machine with internet
     wandb sync runs/<run>/wandb/offline-run-*       # uploads the offline runs
 
-    from course_lib.observability.experiment_log import ExperimentLogger
-    with ExperimentLogger("runs/demo", config={"lr": 3e-3}) as logger:
-        logger.log(step, loss=loss)                              # tag train/loss
-        logger.log_gradients(model, step)                        # grad_norm/total, grad_norm/blocks.0, ...
-        logger.log_throughput(step, tokens=4096, seconds=0.12)   # throughput/tokens_per_s, ...
+    from course_lib.core import MetricsLogger
+    from course_lib.observability import log_gradients, log_throughput
+    with MetricsLogger("runs/demo", config={"lr": 3e-3}, wandb="auto") as logger:
+        logger.log_scalars(step, loss=loss)                              # tag train/loss
+        log_gradients(logger, model, step)                               # grad_norm/total, grad_norm/blocks.0, ...
+        log_throughput(logger, step, tokens=4096, seconds=0.12)          # throughput/tokens_per_s, ...
 
     python -m course_lib.observability.experiment_log --out_dir runs/log_demo    # a short run, then what was written
 
-Without wandb installed, wandb="auto" (the default) prints one line and logs to TensorBoard only;
+Without wandb installed, wandb="auto" prints one line and logs to TensorBoard and metrics.jsonl only;
 wandb=True raises an ImportError that says what to install. In a job of many ranks, log from rank 0 only.
 """
 
@@ -37,7 +38,6 @@ from course_lib.core.metrics import MetricsLogger
 from course_lib.core.steps import train_step
 from course_lib.parity import seeded_gpt
 
-WANDB_REQUIREMENT = "wandb==0.31.0"
 _WANDB_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version: the start of a .wandb file
 _RECORD_HEADER = struct.Struct("<IHB")  # crc32, length, type (full / first / middle / last)
 _BLOCK = 32 * 1024
@@ -71,84 +71,21 @@ def gradient_norms(model: torch.nn.Module, depth: int | None = 2) -> dict[str, f
     return {"total": math.sqrt(sum(squares.values())), **norms}
 
 
-class ExperimentLogger:
-    """Scalars to metrics.jsonl + TensorBoard (out_dir) and, if installed, to an offline W&B run.
+def log_gradients(logger: MetricsLogger, model: torch.nn.Module, step: int, depth: int | None = 2) -> dict:
+    """Log gradient_norms(model, depth) under grad_norm/...; call after backward, before the gradients are cleared."""
+    norms = gradient_norms(model, depth)
+    logger.log_scalars(step, kind="grad_norm", **norms)
+    return norms
 
-    wandb: "auto" (use it if installed), True (required) or False (never). Use as a context manager.
-    """
 
-    def __init__(self, out_dir, *, config: dict | None = None, project: str = "course", run_name: str | None = None,
-                 tensorboard: bool = True, wandb: bool | str = "auto"):
-        if wandb not in ("auto", True, False):
-            raise ValueError(f"wandb must be 'auto', True or False, got {wandb!r}")
-        self.out_dir = Path(out_dir)
-        self.metrics = MetricsLogger(self.out_dir, tensorboard=tensorboard)
-        self.wandb_run = None
-        if wandb is not False:
-            try:
-                import wandb as wandb_lib
-            except ImportError as err:
-                if wandb is True:
-                    raise ImportError(f"W&B logging needs the wandb package: pip install {WANDB_REQUIREMENT} "
-                                      "(or pass wandb=False)") from err
-                print(f"W&B logging off: wandb is not installed (pip install {WANDB_REQUIREMENT}); "
-                      f"TensorBoard and metrics.jsonl are still written to {self.out_dir}")
-            else:
-                settings = wandb_lib.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True,
-                                              save_code=False)
-                # mode="offline": everything goes to files under out_dir/wandb; `wandb sync` uploads them later.
-                self.wandb_run = wandb_lib.init(project=project, name=run_name, config=config or {},
-                                                dir=str(self.out_dir), mode="offline", settings=settings,
-                                                reinit="create_new")
-        if config and self.metrics.writer is not None:
-            self.metrics.writer.add_text("config", "    " + json.dumps(config, indent=2).replace("\n", "\n    "))
-
-    @property
-    def tensorboard_dir(self) -> Path:
-        return self.out_dir / "tb"
-
-    @property
-    def wandb_dir(self) -> Path | None:
-        """The offline run's folder (out_dir/wandb/offline-run-...), None without wandb."""
-        return None if self.wandb_run is None else Path(self.wandb_run.dir).parent
-
-    def log(self, step: int, kind: str = "train", **scalars: float) -> None:
-        """Scalars under the tags '<kind>/<name>', e.g. log(10, loss=2.3) -> train/loss at step 10."""
-        record = {"kind": kind, "step": step, **scalars}
-        self.metrics.log(record)
-        if self.wandb_run is not None:
-            self.wandb_run.log({f"{kind}/{k}": float(v) for k, v in scalars.items()}, step=step)
-
-    def log_gradients(self, model: torch.nn.Module, step: int, depth: int | None = 2) -> dict[str, float]:
-        """Log gradient_norms(model, depth) under grad_norm/...; call after backward, before zero_grad."""
-        norms = gradient_norms(model, depth)
-        self.log(step, kind="grad_norm", **norms)
-        return norms
-
-    def log_throughput(self, step: int, *, tokens: int, seconds: float, flops_per_token: int | None = None) -> dict:
-        """tokens/s of a step (and model GFLOP/s when flops_per_token is given) under throughput/..."""
-        values = {"tokens_per_s": tokens / seconds, "step_time_s": seconds}
-        if flops_per_token is not None:
-            values["gflops"] = flops_per_token * tokens / seconds / 1e9
-        self.log(step, kind="throughput", **values)
-        return values
-
-    def close(self) -> None:
-        self.metrics.close()
-        if self.wandb_run is not None:
-            import wandb
-
-            self.wandb_run.finish()
-            self.wandb_run = None
-            # finish() leaves wandb's service process (wandb-core) running for later runs; stop it, so a
-            # notebook, a test or a rank leaves no process behind (the next run starts a new one).
-            wandb.teardown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+def log_throughput(logger: MetricsLogger, step: int, *, tokens: int, seconds: float,
+                   flops_per_token: int | None = None) -> dict:
+    """tokens/s of a step (and model GFLOP/s when flops_per_token is given) under throughput/..."""
+    values = {"tokens_per_s": tokens / seconds, "step_time_s": seconds}
+    if flops_per_token is not None:
+        values["gflops"] = flops_per_token * tokens / seconds / 1e9
+    logger.log_scalars(step, kind="throughput", **values)
+    return values
 
 
 def read_tensorboard_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
@@ -224,14 +161,14 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batches = RandomBatches(synthetic_tokens(50_000), 8, 64)
     use_wandb = {"auto": "auto", "on": True, "off": False}[args.wandb]
-    with ExperimentLogger(args.out_dir, config={"lr": 3e-3, "preset": "tiny"}, wandb=use_wandb) as logger:
+    with MetricsLogger(args.out_dir, config={"lr": 3e-3, "preset": "tiny"}, wandb=use_wandb) as logger:
         for step in range(1, args.steps + 1):
             start = time.perf_counter()
             idx = next(batches)
-            stats = train_step(model, [idx], optimizer, after_backward=lambda: logger.log_gradients(model, step),
+            stats = train_step(model, [idx], optimizer, after_backward=lambda: log_gradients(logger, model, step),
                                grad_norm=False)
-            logger.log(step, loss=stats["loss"])
-            logger.log_throughput(step, tokens=idx.numel(), seconds=time.perf_counter() - start)
+            logger.log_scalars(step, loss=stats["loss"])
+            log_throughput(logger, step, tokens=idx.numel(), seconds=time.perf_counter() - start)
         wandb_dir = logger.wandb_dir
     scalars = read_tensorboard_scalars(Path(args.out_dir) / "tb")
     print(f"TensorBoard: {len(scalars)} tags in {Path(args.out_dir) / 'tb'}, e.g. train/loss {scalars['train/loss'][-1]}")

@@ -1,5 +1,5 @@
-"""Experiment logging: TensorBoard event files hold what was logged, W&B offline runs are written (when wandb
-is installed) and read back, and without wandb everything but W&B still works.
+"""The one metrics logger with its experiment helpers: TensorBoard event files hold what was logged, W&B offline
+runs are written (when wandb is installed) and read back, and without wandb everything but W&B still works.
 
     .venv/bin/python -m pytest -q tests/observability/test_experiment_log.py
 """
@@ -13,11 +13,12 @@ import psutil
 import pytest
 import torch
 
+from course_lib.core.metrics import WANDB_REQUIREMENT, MetricsLogger
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.observability.experiment_log import (
-    WANDB_REQUIREMENT,
-    ExperimentLogger,
     gradient_norms,
+    log_gradients,
+    log_throughput,
     read_tensorboard_scalars,
     read_wandb_history,
     wandb_available,
@@ -48,12 +49,12 @@ def test_gradient_norms_combine_into_the_clipping_norm():
 
 def test_tensorboard_and_jsonl_hold_the_logged_values(tmp_path):
     model = backward_once()
-    with ExperimentLogger(tmp_path, config={"lr": 1e-3}, wandb=False) as logger:
+    with MetricsLogger(tmp_path, config={"lr": 1e-3}) as logger:
         assert logger.wandb_dir is None
         for step in range(1, 4):
-            logger.log(step, loss=3.0 / step, lr=1e-3)
-        norms = logger.log_gradients(model, step=3)
-        throughput = logger.log_throughput(3, tokens=2048, seconds=0.5, flops_per_token=1000)
+            logger.log_scalars(step, loss=3.0 / step, lr=1e-3)
+        norms = log_gradients(logger, model, step=3)
+        throughput = log_throughput(logger, 3, tokens=2048, seconds=0.5, flops_per_token=1000)
     assert throughput == {"tokens_per_s": 4096.0, "step_time_s": 0.5, "gflops": pytest.approx(4.096e-3)}
     scalars = read_tensorboard_scalars(logger.tensorboard_dir)
     assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3]
@@ -72,9 +73,9 @@ def test_wandb_offline_run_is_written_under_out_dir(tmp_path, monkeypatch):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    with ExperimentLogger(tmp_path / "run", config={"lr": 1e-3}, run_name="test") as logger:
+    with MetricsLogger(tmp_path / "run", config={"lr": 1e-3}, run_name="test", wandb=True) as logger:
         for step in range(1, 4):
-            logger.log(step, loss=3.0 / step)
+            logger.log_scalars(step, loss=3.0 / step)
         run_dir = logger.wandb_dir
     assert run_dir.parent == tmp_path / "run" / "wandb" and run_dir.name.startswith("offline-run-")
     assert list(run_dir.glob("run-*.wandb"))
@@ -89,11 +90,11 @@ def test_wandb_offline_run_is_written_under_out_dir(tmp_path, monkeypatch):
 def test_without_wandb_tensorboard_still_works(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     assert not wandb_available()
-    with ExperimentLogger(tmp_path) as logger:
-        logger.log(1, loss=2.0)
+    with MetricsLogger(tmp_path, wandb="auto") as logger:
+        logger.log_scalars(1, loss=2.0)
     assert "W&B logging off: wandb is not installed" in capsys.readouterr().out
     assert read_tensorboard_scalars(tmp_path / "tb")["train/loss"] == [(1, 2.0)]
     with pytest.raises(ImportError, match=f"pip install {WANDB_REQUIREMENT}"):
-        ExperimentLogger(tmp_path / "required", wandb=True)
+        MetricsLogger(tmp_path / "required", wandb=True)
     with pytest.raises(ValueError, match="wandb must be"):
-        ExperimentLogger(tmp_path / "bad", wandb="offline")
+        MetricsLogger(tmp_path / "bad", wandb="offline")

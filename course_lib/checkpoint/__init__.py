@@ -11,10 +11,10 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                "save_checkpoint", "load_checkpoint", "checkpoint_path", "list_checkpoints", "latest_checkpoint",
                "resolve_resume", "save_training_checkpoint", "remove_partial_files", "clear_checkpoints",
                "move_earlier_run"),
-    "exercise_workers": ("SAVE_STEP", "SHARD_HEADER_BYTES", "check_ranked_save", "saved_model"),
     "fsdp": ("FULL_ON_RANK0", "MODEL_CONFIG", "gather_full_state_dict", "gather_full_optimizer_state",
              "save_full_checkpoint", "load_full_checkpoint", "save_sharded_checkpoint", "load_sharded_checkpoint"),
     "ranked": ("MANIFEST", "shard_file", "shard_bounds", "save_ranked_checkpoint", "read_manifest",
                "load_full_parameters", "load_ranked_checkpoint"),
-    "workers": ("barrier_race", "load_ranked_here", "refuse_then_reshard", "train_logged"),
+    "workers": ("barrier_race", "load_ranked_here", "refuse_then_reshard", "train_logged", "SAVE_STEP",
+                "SHARD_HEADER_BYTES", "check_ranked_save", "saved_model"),
 })

@@ -9,5 +9,5 @@ from course_lib import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "slurm": ("DEFAULT_PORT_BASE", "node_rank_range", "expand_nodelist", "expand_tasks_per_node",
               "slurm_to_torch_env"),
-    "exercise_workers": ("check_distributed_eval", "check_join_job", "eval_reference"),
+    "workers": ("check_distributed_eval", "check_join_job", "eval_reference"),
 })

@@ -10,7 +10,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "experiment_log": ("wandb_available", "gradient_norms", "log_gradients", "log_throughput",
                        "read_tensorboard_scalars", "read_wandb_history"),
     "kernel_comparisons": ("ADAMW_IMPLS", "NOT_KERNELS", "OpCall", "record_ops", "op_summary", "silu_comparison",
-                      "make_adamw", "adamw_comparison", "attention_comparison", "format_rows"),
+                           "make_adamw", "adamw_comparison", "attention_comparison", "format_rows"),
     "gpu_monitor": ("MIB", "QUERY_FIELDS", "NVIDIA_SMI_TIMEOUT_S", "GPUStat", "GPUSnapshot",
                     "parse_nvidia_smi_csv", "gpu_snapshot", "summarise_allocator", "torch_memory",
                     "format_snapshot", "allocator_line"),

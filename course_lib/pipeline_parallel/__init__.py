@@ -7,12 +7,11 @@ torch.distributed.pipelining.
 from course_lib import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "exercise_workers": ("check_schedule_on_ranks",),
     "schedules": ("COMPUTE_KINDS", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES", "schedule_actions",
                   "max_in_flight", "simulate_schedule", "predicted_bubble_fraction", "measured_bubble_fraction",
                   "with_idle", "pipeline_comm_bytes"),
     "stage": ("split_layers", "GPTStage", "full_model_name", "shifted_cross_entropy", "tied_weight_group",
-                "broadcast_tied_weight", "allreduce_tied_grad", "PipelineRunner"),
+              "broadcast_tied_weight", "allreduce_tied_grad", "PipelineRunner"),
     "torch_pipelining": ("TORCH_SCHEDULES", "build_torch_pipeline", "torch_pipeline_step"),
-    "workers": ("bubble_sweep", "pipeline_train", "reference_run"),
+    "workers": ("bubble_sweep", "pipeline_train", "reference_run", "check_schedule_on_ranks"),
 })

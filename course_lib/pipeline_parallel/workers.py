@@ -5,17 +5,25 @@
     ranks = launch(pipeline_train, world_size=2, kwargs=dict(schedule="1f1b", micro_batches=4))
     reference = reference_run()                       # one process, the whole model and batch
     ranks = launch(bubble_sweep, world_size=2, kwargs=dict(micro_batch_counts=(1, 2, 4, 8)))
+
+Rank workers that grade the pipeline exercise (Session E, notebook 02b): the learner's 1F1B schedule
+running course_lib's pipeline (PipelineRunner) on real ranks.
+
+    ranks = launch(check_schedule_on_ranks, 2, args=(spawnable(one_f_one_b),))
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 from course_lib.core.steps import train_step
+from course_lib.parity import global_batches, seeded_gpt, train_whole_batches
+from course_lib.pipeline_parallel import schedules
 from course_lib.pipeline_parallel.stage import (
     GPTStage,
     PipelineRunner,
@@ -25,7 +33,6 @@ from course_lib.pipeline_parallel.stage import (
     tied_weight_group,
 )
 from course_lib.runtime.env import get_dist_info
-from course_lib.parity import global_batches, seeded_gpt, train_whole_batches
 
 IMPLEMENTATIONS = ("scratch", "torch")
 
@@ -138,3 +145,10 @@ def bubble_sweep(micro_batch_counts=(1, 2, 4, 8), schedules=("gpipe", "1f1b"), s
             record["peak_activation_bytes"] = runner.peak_activation_bytes
     dist.barrier()
     return {"rank": info.rank, "layers": list(stage.layers), "threads": torch.get_num_threads(), "records": records}
+
+
+def check_schedule_on_ranks(schedule_fn, *, micro_batches: int = 4, steps: int = 2, seed: int = 0) -> dict:
+    """Worker: train this rank's stage with schedule_fn as the '1f1b' schedule (pipeline_train, scratch runner)."""
+    with mock.patch.dict(schedules.SCHEDULES, {"1f1b": schedule_fn}):
+        return pipeline_train(schedule="1f1b", steps=steps, micro_batches=micro_batches, seed=seed,
+                              implementation="scratch")

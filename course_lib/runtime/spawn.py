@@ -8,7 +8,7 @@ it from there, and returns that importable copy:
 
     from course_lib import launch
     from course_lib.runtime.spawn import spawnable
-    from course_lib.data_parallel.exercise_workers import check_gradient_averaging
+    from course_lib.data_parallel.workers import check_gradient_averaging
 
     def data_parallel_backward(model, idx):          # in a notebook cell
         ...

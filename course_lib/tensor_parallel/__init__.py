@@ -8,11 +8,11 @@ from course_lib import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "dtensor": ("make_tp_mesh", "block_plan", "apply_dtensor_tp", "full_copy", "gather_full_dtensor",
                 "CollectiveCounter"),
-    "exercise_workers": ("BLOCK_ROWS", "BLOCK_SEQ", "HIDDEN", "ROWS", "TP_LINEARS", "check_megatron_regions",
-                         "check_tensor_parallel_block", "megatron_regions_reference", "tp_block_reference"),
     "tp_layers": ("TP_ALLREDUCES_PER_LAYER", "CommStats", "CopyToParallelRegion", "ReduceFromParallelRegion",
-                "copy_to_parallel_region", "reduce_from_parallel_region", "ColumnParallelLinear",
-                "RowParallelLinear", "check_tensor_parallel_config", "apply_tensor_parallel", "gather_full",
-                "replicated_parameter_names", "tp_allreduce_bytes_per_layer"),
-    "workers": ("DEFAULT_RUNS", "compare_with_reference", "reference_run", "tp_checks"),
+                  "copy_to_parallel_region", "reduce_from_parallel_region", "ColumnParallelLinear",
+                  "RowParallelLinear", "check_tensor_parallel_config", "apply_tensor_parallel", "gather_full",
+                  "replicated_parameter_names", "tp_allreduce_bytes_per_layer"),
+    "workers": ("DEFAULT_RUNS", "compare_with_reference", "reference_run", "tp_checks", "BLOCK_ROWS", "BLOCK_SEQ",
+                "HIDDEN", "ROWS", "TP_LINEARS", "check_megatron_regions", "check_tensor_parallel_block",
+                "megatron_regions_reference", "tp_block_reference"),
 })

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.checkpoint.exercise_workers import SHARD_HEADER_BYTES, check_ranked_save, saved_model
+from course_lib.checkpoint.workers import SHARD_HEADER_BYTES, check_ranked_save, saved_model
 from course_lib.runtime.launch import launch
 
 

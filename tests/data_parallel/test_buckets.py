@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.data_parallel.ddp import BucketedDataParallel, assign_buckets
-from course_lib.data_parallel.sync_exercise_workers import expected_bucket_sizes
+from course_lib.data_parallel.workers import expected_bucket_sizes
 from course_lib.runtime.spawn import single_process_group
 from course_lib.parity import seeded_gpt
 

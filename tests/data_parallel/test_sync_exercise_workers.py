@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.data_parallel.ddp import BucketedDataParallel, allreduce_gradients
-from course_lib.data_parallel.sync_exercise_workers import (RING_SHAPES, check_gradient_sync, check_ring_all_reduce,
+from course_lib.data_parallel.workers import (RING_SHAPES, check_gradient_sync, check_ring_all_reduce,
                                                             expected_bucket_sizes, sync_reference)
 from course_lib.data_parallel.collectives import ring_all_reduce
 from course_lib.runtime.launch import launch

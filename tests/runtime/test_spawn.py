@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.core.steps import train_step
-from course_lib.data_parallel.exercise_workers import (
+from course_lib.data_parallel.workers import (
     FROZEN,
     check_gradient_averaging,
     check_train_step,

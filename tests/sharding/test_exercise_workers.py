@@ -1,4 +1,4 @@
-"""The ZeRO exercises' worker (course_lib/sharding/exercise_workers.py) counts every all-gather and reduce-scatter
+"""The ZeRO exercises' worker (course_lib/sharding/zero_workers.py) counts every all-gather and reduce-scatter
 and refuses the all-reduce, whatever road an answer takes to the network (D/02b's tests run through it).
 
     .venv/bin/python -m pytest -q tests/sharding/test_exercise_workers.py
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.runtime.launch import launch
-from course_lib.sharding.exercise_workers import check_zero
+from course_lib.sharding.zero_workers import check_zero
 
 
 def averaged_by_another_road(model, lr, momentum):

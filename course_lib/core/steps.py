@@ -86,7 +86,9 @@ def train_step(model, micro_batches, optimizer, scheduler=None, *, scaler=None, 
         scheduler.step()
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
-    return {"loss": None if loss is None else float(loss),  # None: a pipeline stage that holds no loss
+    if isinstance(loss, torch.Tensor):
+        loss = loss.item()  # a worker's forward_backward may hand back the loss it called backward on
+    return {"loss": loss,  # None: a pipeline stage that holds no loss
             "grad_norm": None if norm is None else norm.item(), "lr": lr}
 
 

@@ -1,4 +1,4 @@
-"""Single-process training of the course GPT: the loop every later strategy (DDP, FSDP, ...) builds on.
+"""Training the course GPT, one process or any parallel layout on many ranks: the one training loop of the course.
 
 AdamW with decay / no-decay groups, linear warmup + cosine decay, gradient accumulation, gradient
 clipping, autocast (see course_lib.core.device), held-out evaluation, atomic checkpoints every N steps, exact

@@ -37,12 +37,7 @@ from course_lib.core.steps import accumulate_gradients, clip_gradients, evaluate
 from course_lib.data_parallel.ddp import allreduce_gradients
 from course_lib.data_parallel.torch_ddp import apply_ddp
 from course_lib.parallel.layout import Layout
-from course_lib.pipeline_parallel.stage import (
-    GPTStage,
-    PipelineRunner,
-    allreduce_tied_grad,
-    broadcast_tied_weight,
-)
+from course_lib.pipeline_parallel.stage import PipelineRunner, allreduce_tied_grad, apply_pipeline
 from course_lib.sharding import apply_zero
 from course_lib.sharding.fsdp import apply_fsdp
 from course_lib.sharding.zero import ZeroAdamW
@@ -227,10 +222,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh=None, *, fsdp_strategy: s
     if layout.pp > 1:  # 1. the pipeline split: this rank keeps one stage
         if not isinstance(model, GPT):
             raise TypeError(f"a pipeline layout cuts a course_lib.core.model.GPT into stages, got {type(model).__name__}")
-        pp_mesh = mesh["pp"]
-        model = GPTStage(model, pp_mesh.get_local_rank(), layout.pp)
         tied_group = _tied_weight_group(mesh)
-        broadcast_tied_weight(model, tied_group)
+        model = apply_pipeline(model, mesh["pp"].get_local_rank(), layout.pp, tied_group)
     if layout.tp > 1:  # 2. tensor (and sequence) parallelism on the blocks
         apply_dtensor_tp(model, mesh["tp"], sequence_parallel=layout.sp)
     module = model

@@ -11,7 +11,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                   "max_in_flight", "simulate_schedule", "predicted_bubble_fraction", "measured_bubble_fraction",
                   "with_idle", "pipeline_comm_bytes"),
     "stage": ("split_layers", "GPTStage", "full_model_name", "shifted_cross_entropy", "tied_weight_group",
-              "broadcast_tied_weight", "allreduce_tied_grad", "PipelineRunner"),
+              "broadcast_tied_weight", "allreduce_tied_grad", "apply_pipeline", "PipelineRunner"),
     "torch_pipelining": ("TORCH_SCHEDULES", "build_torch_pipeline", "torch_pipeline_step"),
     "workers": ("bubble_sweep", "pipeline_train", "reference_run", "check_schedule_on_ranks"),
 })

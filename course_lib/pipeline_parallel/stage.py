@@ -133,6 +133,21 @@ def allreduce_tied_grad(stage: GPTStage, group) -> int:
 
 
 # ----------------------------------------------------------------------------------------- execution
+def apply_pipeline(model: GPT, stage: int, n_stages: int, tied_group=None) -> GPTStage:
+    """The pipeline split, spelled like the other apply_* functions: this rank's stage of `model` (a GPTStage),
+    with the tied embedding's copy on the last stage set equal to the first stage's over `tied_group` (the
+    group of the first and last stage; default: tied_weight_group(n_stages) when every rank is one stage).
+    Run it with PipelineRunner(stage, schedule, micro_batches, group)."""
+    part = GPTStage(model, stage, n_stages)
+    if n_stages > 1 and tied_group is None:
+        if dist.get_world_size() != n_stages:
+            raise ValueError(f"{dist.get_world_size()} ranks hold more than one pipeline of {n_stages} stages: pass "
+                             "tied_group, the group of this pipeline's first and last stage")
+        tied_group = tied_weight_group(n_stages)
+    broadcast_tied_weight(part, tied_group)
+    return part
+
+
 class PipelineRunner:
     """Runs one stage's schedule on this rank (stage index = rank, one rank per stage).
 

@@ -237,15 +237,17 @@ def latest_checkpoint(directory) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve_resume(resume, directory) -> Path | None:
+def resolve_resume(resume, directory, *, latest=None,
+                   kind: str = "checkpoint (latest.pt or ckpt_step*.pt)") -> Path | None:
     """The checkpoint a run should resume from: resume=False -> None; True -> directory's latest (error if
-    none); 'auto' -> directory's latest or None; a path -> that path."""
+    none); 'auto' -> directory's latest or None; a path -> that path. latest(directory) finds the newest
+    (default latest_checkpoint); kind names what it looks for in the error."""
     if resume is False:
         return None
     if resume is True or resume == "auto":
-        found = latest_checkpoint(directory)
+        found = (latest or latest_checkpoint)(directory)
         if found is None and resume is True:
-            raise FileNotFoundError(f"resume=True but {directory} holds no checkpoint (latest.pt or ckpt_step*.pt); "
+            raise FileNotFoundError(f"resume=True but {directory} holds no {kind}; "
                                     "use resume='auto' to start fresh when there is none")
         return found
     return Path(resume)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from course_lib.checkpoint.atomic import _fsync_dir, atomic_write, get_rng_state, set_rng_state
+from course_lib.checkpoint.atomic import _fsync_dir, atomic_write, get_rng_state, resolve_resume, set_rng_state
 
 LATEST = "latest.dcp"
 META = "meta.pt"
@@ -54,17 +54,10 @@ def latest_distributed_checkpoint(directory) -> Path | None:
 
 
 def resolve_distributed_resume(resume, directory) -> Path | None:
-    """As course_lib.checkpoint.atomic.resolve_resume, for checkpoint folders."""
-    if resume is False:
-        return None
-    if resume is True or resume == "auto":
-        found = latest_distributed_checkpoint(directory)
-        if found is None and resume is True:
-            raise FileNotFoundError(f"resume=True but {directory} holds no distributed checkpoint (latest.dcp or "
-                                    "ckpt_step*.dcp/); use resume='auto' to start fresh when there is none")
-        return found
-    path = Path(resume)
-    if not (path / META).is_file():
+    """course_lib.checkpoint.atomic.resolve_resume for checkpoint folders; a path must be one (with its meta.pt)."""
+    path = resolve_resume(resume, directory, latest=latest_distributed_checkpoint,
+                          kind="distributed checkpoint (latest.dcp or ckpt_step*.dcp/)")
+    if path is not None and not (path / META).is_file():
         raise FileNotFoundError(f"{path} is not a distributed checkpoint folder (no {META} in it): a sharded "
                                 "layout resumes from a ckpt_step*.dcp folder written by the same layout")
     return path

@@ -14,5 +14,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "zero": ("STAGES", "COMPUTE_DTYPES", "FlatLayout", "ShardedAdamW", "ZeroOptimizer", "ZeroAdamW"),
     "zero3": ("Unit", "default_units", "Zero3Optimizer", "apply_zero"),
     "zero_workers": ("MODEL_OVERRIDES", "MODEL_PRESET", "make_model", "reference_run", "zero_parity_run",
-                     "check_zero", "check_zero3_forward", "zero_reference"),
+                     "check_zero", "check_zero3", "zero_reference", "zero3_reference", "zero3_unit_bytes",
+                     "ZERO3_UNITS"),
 })

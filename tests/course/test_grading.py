@@ -956,29 +956,53 @@ ZERO_EXERCISES = GradedNotebook("session_d", "02b_zero_exercises", {
     "zero1_padding_in_front": ("zero2_stage1", "zero2_stage1_tests", [
         ("        flat[:numel] = torch.cat(", "        flat[shard * world_size - numel:] = torch.cat(")]),
     "zero2_full_gradient_kept": ("zero3_stage2", "zero3_stage2_tests", [
-        ("        param.grad = None  # only the shard stays\n", "")]),
+        ("        for p in bucket:\n            p.grad = None  # the bucket's copy is all that is left of the full gradients\n",
+         "")]),
     "zero2_gradient_shard_not_zeroed": ("zero3_stage2", "zero3_stage2_tests", [
         ("        mine.grad.zero_()\n", "")]),
     "zero2_received_not_averaged": ("zero3_stage2", "zero3_stage2_tests", [
         ("+= received / world_size", "+= received")]),
     "zero2_reduce_scatter_deferred_to_the_step": ("zero3_stage2", "zero3_stage2_tests", [
-        ("    def reduce_scatter_gradient(param):\n        start, grad = offsets[param], param.grad.reshape(-1)\n",
-         "    waiting = {}\n\n    def keep_gradient(param):\n        waiting[param] = param.grad\n        param.grad = None\n\n"
-         "    def reduce_scatter_gradient(param, grad):\n        start, grad = offsets[param], grad.reshape(-1)\n"),
-        ("        param.grad = None  # only the shard stays\n", ""),
-        ("        p.register_post_accumulate_grad_hook(reduce_scatter_gradient)\n",
-         "        p.register_post_accumulate_grad_hook(keep_gradient)\n"),
-        ("    def step():\n        optimizer.step()\n",
-         "    def step():\n        for param, grad in waiting.items():\n            reduce_scatter_gradient(param, grad)\n"
-         "        waiting.clear()\n        optimizer.step()\n")]),
-    "zero3_weights_never_freed": ("zero4_stage3", "zero4_stage3_tests", [
-        ("        layer.register_forward_pre_hook(gather)\n        layer.register_forward_hook(free)",
-         "        layer.register_forward_pre_hook(gather)")]),
-    "zero3_full_weights_kept_at_setup": ("zero4_stage3", "zero4_stage3_tests", [
-        ("            param.data = torch.empty(0)  # the full tensor is freed: only the shard stays\n", "")]),
-    "zero3_every_rank_keeps_the_first_slice": ("zero4_stage3", "zero4_stage3_tests", [
-        ("shards[name] = (padded[rank * size:(rank + 1) * size].clone(), param.shape)",
-         "shards[name] = (padded[:size].clone(), param.shape)")]),
+        ("        work = dist.reduce_scatter(received, [grad[a - start:b - start] for a, b in bounds], op=dist.ReduceOp.SUM,\n"
+         "                                   async_op=True)\n        in_flight.append((work, received, lo, hi, grad))\n",
+         "        in_flight.append((bounds, start, received, lo, hi, grad))\n"),
+        ("        for work, received, lo, hi, _ in in_flight:\n            work.wait()\n",
+         "        for bounds, start, received, lo, hi, grad in in_flight:\n"
+         "            dist.reduce_scatter(received, [grad[a - start:b - start] for a, b in bounds], op=dist.ReduceOp.SUM)\n")]),
+    "zero2_waits_in_the_hook": ("zero3_stage2", "zero3_stage2_tests", [
+        ("                                   async_op=True)\n",
+         "                                   async_op=True)\n        work.wait()  # as if it were blocking\n")]),
+    "zero2_a_bucket_per_parameter": ("zero3_stage2", "zero3_stage2_tests", [
+        ("        if sum(q.numel() for q in bucket) >= bucket_numel:\n", "        if True:\n")]),
+    "zero3_no_prefetch": ("zero4_stage3", "zero4_stage3_tests", [
+        ("            units[i].gather()\n            prefetch(i + 1)  # the next unit's gather runs while this one computes\n",
+         "            units[i].gather()\n"),
+        ("            units[i].gather()\n            prefetch(i - 1)\n", "            units[i].gather()\n")]),
+    "zero3_prefetch_two_ahead": ("zero4_stage3", "zero4_stage3_tests", [
+        ("            prefetch(i + 1)  # the next unit's gather runs while this one computes\n",
+         "            prefetch(i + 1)\n            prefetch(i + 2)\n")]),
+    "zero3_kept_after_forward": ("zero4_stage3", "zero4_stage3_tests", [
+        ("        def after_forward(module, args, output):\n            units[i].free()\n",
+         "        def after_forward(module, args, output):\n")]),
+    "zero3_not_gathered_for_backward": ("zero4_stage3", "zero4_stage3_tests", [
+        ("            if output.requires_grad:  # its gradient arrives just before this unit's backward runs\n"
+         "                output.register_hook(before_backward)\n", "")]),
+    "zero3_gradient_not_averaged": ("zero4_stage3", "zero4_stage3_tests", [
+        ("            self.shard.grad += received / world_size\n", "            self.shard.grad += received\n")]),
+    "zero3_freed_by_a_new_tensor": ("zero4_stage3", "zero4_stage3_tests", [
+        ("            offset = 0\n            for p in self.params:  # each parameter keeps its shape, as a view into the buffer\n"
+         "                p.data = self.full[offset:offset + p.numel()].view(p.shape)\n                offset += p.numel()\n",
+         "            self.shapes = [p.shape for p in self.params]\n"),
+        ("            self.full.untyped_storage().resize_(0)\n",
+         "            for p in self.params:  # a new, empty tensor: autograd's saved views keep the old one\n"
+         "                p.data = torch.empty(0)\n            self.full = None\n"),
+        ("                self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())\n",
+         "                self.full = torch.empty(self.size * world_size)\n"),
+        ("                self.work.wait()\n                self.state, self.work = \"gathered\", None  # a finished work still holds its output\n",
+         "                self.work.wait()\n                self.state, self.work = \"gathered\", None\n                offset = 0\n"
+         "                for p, shape in zip(self.params, self.shapes):\n"
+         "                    p.data = self.full[offset:offset + shape.numel()].view(shape)\n"
+         "                    offset += shape.numel()\n")]),
 }, delegations={
     "zero1_bytes": """\
 def zero_bytes_per_rank(n_params, world_size, stage, precision="fp32"):
@@ -1000,10 +1024,10 @@ def zero2_optimizer(model, lr, momentum=0.9):
     return apply_zero(model, 2, lr=lr).step
 """,
     "zero4_stage3": """\
-def zero3_shard(model):
-    from course_lib.sharding.zero3 import Zero3Optimizer
+def zero3_optimizer(model, lr, momentum=0.9):
+    from course_lib.sharding import apply_zero
 
-    Zero3Optimizer(model, lr=0.0)
+    return apply_zero(model, 3, lr=lr).step
 """,
 }, alternatives={
     "zero1_bytes": """\
@@ -1044,36 +1068,59 @@ def zero1_optimizer(model, lr, momentum=0.9):
     return step
 """,
     "zero3_stage2": """\
-def zero2_optimizer(model, lr, momentum=0.9):
+def zero2_optimizer(model, lr, momentum=0.9, bucket_numel=20_000):
     n, me = dist.get_world_size(), dist.get_rank()
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     S = -(-total // n)
-    plan, start = {}, 0
-    for p in params:
-        end = start + p.numel()
-        plan[p] = (start, [(max(start, k * S), min(end, (k + 1) * S)) for k in range(n)])
-        start = end
+    ends = torch.tensor([p.numel() for p in params]).cumsum(0).tolist()
+    where = {p: (e - p.numel(), e) for p, e in zip(params, ends)}
     full = torch.cat([p.detach().flatten() for p in params] + [torch.zeros(S * n - total)])
     shard = full[me * S:(me + 1) * S].clone().requires_grad_(True)
     grad_shard = torch.zeros(S)
     sgd = torch.optim.SGD([shard], lr=lr, momentum=momentum)
 
+    groups, group, size = [], [], 0
+    for p in params[::-1]:
+        group, size = group + [p], size + p.numel()
+        if size >= bucket_numel:
+            groups.append(group)
+            group, size = [], 0
+    groups += [group] if group else []
+    home = {p: g for g, members in enumerate(groups) for p in members}
+    done = {}
+    works = []
+
+    def send(members):
+        lo_all, hi_all = where[members[-1]][0], where[members[0]][1]
+        g = torch.cat([p.grad.flatten() for p in members[::-1]])
+        pieces, mine = [], None
+        for k in range(n):
+            lo, hi = max(lo_all, k * S), min(hi_all, (k + 1) * S)
+            pieces.append(g[lo - lo_all:hi - lo_all] if hi > lo else g[:0])
+            if k == me:
+                mine = (lo, max(lo, hi))
+        out = torch.zeros(mine[1] - mine[0])
+        works.append((dist.reduce_scatter(out, pieces, async_op=True), out, mine, g))
+        for p in members:
+            p.grad = None
+
     def hook(p):
-        start, ranges = plan[p]
-        g = p.grad.flatten()
-        pieces = [g[lo - start:hi - start] if hi > lo else g[:0] for lo, hi in ranges]
-        lo, hi = ranges[me]
-        out = torch.zeros(max(hi - lo, 0))
-        dist.reduce_scatter(out, pieces)
-        if hi > lo:
-            grad_shard[lo - me * S:hi - me * S] += out / n
-        p.grad = None
+        g = home[p]
+        done[g] = done.get(g, 0) + 1
+        if done[g] == len(groups[g]):
+            del done[g]
+            send(groups[g])
 
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
 
     def step():
+        while works:
+            work, out, (lo, hi), _ = works.pop(0)
+            work.wait()
+            if hi > lo:
+                grad_shard[lo - me * S:hi - me * S] += out / n
         shard.grad = grad_shard.clone()
         sgd.step()
         grad_shard.zero_()
@@ -1081,37 +1128,71 @@ def zero2_optimizer(model, lr, momentum=0.9):
         dist.all_gather_single(gathered, shard.detach())
         with torch.no_grad():
             for p in params:
-                start, _ = plan[p]
-                p.copy_(gathered[start:start + p.numel()].view_as(p))
+                lo, hi = where[p]
+                p.copy_(gathered[lo:hi].view_as(p))
 
     return step
 """,
     "zero4_stage3": """\
-def zero3_shard(model):
+def zero3_optimizer(model, lr, momentum=0.9):
     n, me = dist.get_world_size(), dist.get_rank()
-    kept = {}
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            kept[module] = []
-            for name, p in list(module.named_parameters()):
-                per = -(-p.numel() // n)
-                padded = F.pad(p.detach().flatten(), (0, per * n - p.numel()))
-                kept[module].append((name, tuple(p.shape), padded.narrow(0, me * per, per).clone()))
-                p.data = torch.empty(0)
+    blocks = list(model)
+    flats, shards, jobs = [], [], [None] * len(blocks)
+    for block in blocks:
+        ps = list(block.parameters())
+        total = sum(p.numel() for p in ps)
+        per = -(-total // n)
+        flat = F.pad(torch.cat([p.detach().flatten() for p in ps]), (0, per * n - total))
+        shards.append(flat.narrow(0, me * per, per).clone().requires_grad_(True))
+        shards[-1].grad = torch.zeros(per)
+        for p, piece in zip(ps, flat[:total].split([p.numel() for p in ps])):
+            p.data = piece.view_as(p)
+        flat.untyped_storage().resize_(0)
+        flats.append(flat)
+    sgd = torch.optim.SGD(shards, lr=lr, momentum=momentum)
+    pending = {}
 
-    def gather(module, args):
-        for name, shape, piece in kept[module]:
-            everything = torch.empty(piece.numel() * n)
-            dist.all_gather_into_tensor(everything, piece)
-            getattr(module, name).data = everything[:math.prod(shape)].reshape(shape).clone()
+    def fetch(k, wait):
+        if not 0 <= k < len(blocks):
+            return
+        storage = flats[k].untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(flats[k].numel() * 4)
+            jobs[k] = dist.all_gather_into_tensor(flats[k], shards[k].detach(), async_op=True)
+        if wait and jobs[k] is not None:
+            jobs[k].wait()
+            jobs[k] = None
 
-    def release(module, args, output):
-        for name, _, _ in kept[module]:
-            getattr(module, name).data = torch.empty(0)
+    def release(k):
+        flats[k].untyped_storage().resize_(0)
 
-    for module in kept:
-        module.register_forward_pre_hook(gather)
-        module.register_forward_hook(release)
+    def on_grad(k, p):
+        pending.setdefault(k, set()).add(p)
+        ps = list(blocks[k].parameters())
+        if len(pending[k]) < len(ps):
+            return
+        summed = F.pad(torch.cat([q.grad.flatten() for q in ps]), (0, flats[k].numel() - sum(q.numel() for q in ps)))
+        mine = torch.zeros_like(shards[k])
+        dist.reduce_scatter_tensor(mine, summed)
+        shards[k].grad.add_(mine, alpha=1 / n)
+        for q in ps:
+            q.grad = None
+        pending.pop(k)
+        release(k)
+
+    for k, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda mod, inp, k=k: (fetch(k, True), fetch(k + 1, False)) and None)
+        block.register_full_backward_pre_hook(lambda mod, grad, k=k: (fetch(k, True), fetch(k - 1, False)) and None)
+        block.register_forward_hook(lambda mod, inp, out, k=k: release(k))
+        for p in block.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, k=k: on_grad(k, p))
+
+    def step():
+        sgd.step()
+        for shard in shards:
+            shard.grad.zero_()
+
+    return step
 """,
 })
 

@@ -33,11 +33,22 @@ def test_every_notebook_runs_once_and_graded_ones_from_solutions():
 
 
 @pytest.mark.slow
-def test_the_notebook_runner_passes_the_device_parameter(tmp_path):
-    rows = gpu_check.run_notebooks("cpu", only=["session_b/01_ranks_and_launcher"], out_dir=tmp_path)
-    assert [(r["notebook"], r["status"], r["on"]) for r in rows] == [
-        ("session_b/01_ranks_and_launcher", "passed", "cpu")]
-    executed = nbformat.read(tmp_path / "01_ranks_and_launcher.ipynb", as_version=4)
+def test_the_notebook_runner_passes_the_device_parameter(tmp_path, monkeypatch):
+    # A notebook with the course's parameter conventions (device, out_dir, test_parameters): running a lesson
+    # here would repeat tests/course/test_notebooks.py, which executes every one of them.
+    source = tmp_path / "session_x" / "01_device.ipynb"
+    source.parent.mkdir()
+    parameters = nbformat.v4.new_code_cell('device = "auto"\nsteps = 100\nout_dir = "runs/x"')
+    parameters.metadata["tags"] = ["parameters"]
+    nb = nbformat.v4.new_notebook(cells=[parameters, nbformat.v4.new_code_cell(
+        "import os\nassert device == 'cpu' and steps == 2 and os.path.isabs(out_dir), (device, steps, out_dir)")])
+    nb.metadata["course"] = {"test_parameters": {"steps": 2}}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, source)
+    monkeypatch.setattr(gpu_check, "notebook_sources", lambda: [source])
+    rows = gpu_check.run_notebooks("cpu", only=["session_x/01_device"], out_dir=tmp_path / "out")
+    assert [(r["notebook"], r["status"], r["on"]) for r in rows] == [("session_x/01_device", "passed", "cpu")]
+    executed = nbformat.read(tmp_path / "out" / "01_device.ipynb", as_version=4)
     injected = next(c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", []))
     assert "device = \"cpu\"" in injected.source
 

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PIP_FLAGS := --progress-bar off --disable-pip-version-check --no-compile
+PIP_FLAGS := --progress-bar off --disable-pip-version-check
 
 .DEFAULT_GOAL := help
 .PHONY: help venv test book lab release autograde bench gpu-check lint clean

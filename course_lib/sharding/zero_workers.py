@@ -359,7 +359,8 @@ def check_zero3(zero_fn, *, steps: int = 3, lr: float = 0.05, momentum: float = 
     Returns the losses, the captured parameters, the momentum this rank keeps (its SGD's buffers, in order),
     the parameter bytes gathered at rest and the most gathered at once (sampled at every unit's entry and
     exit, at every gradient and every collective), and per step the events in order: ("enter"|"leave", unit),
-    ("grad_done", unit) when a unit's last gradient is complete, and ("call", i) for calls[i].
+    ("grad_done", unit) when a unit's last gradient is complete, ("call", i) for calls[i] and ("wait", i) when
+    the work of an asynchronous calls[i] is waited for.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = zero3_model(seed)

@@ -36,6 +36,11 @@ def whoami() -> dict:
             "device": str(info.device), "threads": torch.get_num_threads(), "env": env}
 
 
+def environment(names) -> dict:
+    """The values of the environment variables `names` in this rank (None where unset), and its working folder."""
+    return {"env": {name: os.environ.get(name) for name in names}, "cwd": os.getcwd()}
+
+
 def allreduce_demo() -> dict:
     """Each rank contributes rank + 1; after all_reduce(SUM) every rank holds 1 + 2 + ... + world_size."""
     info = get_dist_info()

@@ -4,9 +4,11 @@
     from course_lib.runtime import demo_workers
     results = launch(demo_workers.allreduce_demo, world_size=4)   # one entry per rank, in rank order
 
-Each rank is a fresh interpreter (the spawn start method, as torchrun and CUDA need), so it imports the worker by
-its module path: a function defined in a notebook cell cannot be spawned (it lives only in the notebook's
-memory). Put workers in course_lib or in a .py file next to the notebook.
+Each rank is a new process that imports the worker by its module path, as torchrun's ranks do: a function defined
+in a notebook cell cannot be sent (it lives only in the notebook's memory). Put workers in course_lib or in a .py
+file next to the notebook. On Linux the ranks come from a fork server, a helper process that has imported torch
+and nothing else and forks each rank in milliseconds; elsewhere (macOS) each rank is a fresh interpreter (spawn).
+Both are safe for CUDA; see START_METHOD_VARIABLE.
 
 What this adds over torch.multiprocessing.spawn:
 - the rendezvous store runs in the caller on a port the OS picks, so concurrent launches never collide;
@@ -85,13 +87,27 @@ class _LineSender:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """A rank must not outlive its caller (a restarted kernel, a killed test run)."""
+    """A rank must not outlive its caller (a restarted kernel, a killed test run). A rank started by the fork
+    server is the server's child, not the caller's: it watches the caller by its process id."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    direct = os.getppid() == parent_pid
+
+    def alive() -> bool:
+        if direct:
+            return os.getppid() == parent_pid
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
     def watch():
-        while os.getppid() == parent_pid:
+        while alive():
             time.sleep(1.0)
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
@@ -100,6 +116,9 @@ def _exit_with_parent(parent_pid: int) -> None:
 def _rank_main(rank, world_size, addr, port, worker, args, kwargs, conn, options):
     if port is None:  # forked before the store existed: the caller sends its port
         port = conn.recv()[1]
+    if options.get("environ") is not None:  # started by the fork server: the caller's environment, as it is now
+        os.environ.clear()
+        os.environ.update(options["environ"])
     # Set here, not inherited: two launches from two threads of one caller must not see each other's values.
     os.environ.update({key: str(value) for key, value in dict(
         RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size, MASTER_ADDR=addr,
@@ -306,9 +325,13 @@ def _stop_all(procs) -> None:
         proc.join(timeout=5)
 
 
-START_METHODS = ("spawn", "fork")
+START_METHODS = ("forkserver", "spawn", "fork")
 START_METHOD_VARIABLE = "COURSE_LAUNCH_START_METHOD"
-"""Set to "fork" by a process that launches many short jobs from a parent that has already imported torch and
+"""How ranks start. Unset: "forkserver" on Linux, "spawn" elsewhere (macOS: a process that has loaded Apple's
+frameworks, as importing torch does, must not fork). The fork server is one process per caller that imports torch
+once and, having run nothing, forks a rank in milliseconds; each rank then imports the worker's module afresh and
+sets the caller's environment, so it behaves as a spawned rank does, without importing torch again.
+"spawn": a fresh interpreter per rank. Set to "fork" by a process that launches many short jobs from a parent that has already imported torch and
 runs no thread of its own, no thread pool and no CUDA (the grading sandbox's checks): each rank then starts in
 milliseconds instead of importing torch again; the ranks are forked before the rendezvous store's thread starts.
 Anything else should keep the default, "spawn". Where a forked child could not run backward, the ranks are
@@ -353,8 +376,11 @@ def _fork_keeps_autograd() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+
+
 def _start_method() -> str:
-    method = os.environ.get(START_METHOD_VARIABLE, "spawn")
+    method = os.environ.get(START_METHOD_VARIABLE) or ("forkserver" if sys.platform.startswith("linux") else "spawn")
     if method not in START_METHODS:
         raise ValueError(f"{START_METHOD_VARIABLE}={method!r}: choose one of {', '.join(START_METHODS)}")
     if method == "fork" and not _fork_keeps_autograd():
@@ -389,6 +415,8 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
     # torch reads TORCH_DISTRIBUTED_DEBUG once per process, so a forked rank would keep its parent's level
     method = "spawn" if env and "TORCH_DISTRIBUTED_DEBUG" in env else _start_method()
     ctx = get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
 
     def host_store():  # the caller hosts the rendezvous store on a port the OS picks: no race for a "free" port
         return dist.TCPStore(master_addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
@@ -396,18 +424,21 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
 
     # Forked ranks must be forked before the store's server thread exists (a lock it holds would stay locked
     # in the child forever): they are started first and receive the port through their pipe.
-    store = host_store() if method == "spawn" else None
+    store = host_store() if method != "fork" else None
     latest = None
     if log_dir is None:
         latest = Path(DEFAULT_LOG_DIR)
         log_dir = _launch_log_dir(latest)
     options = dict(backend=backend, device=device, timeout_s=timeout_s, log_dir=str(log_dir), threads=threads,
-                   echo=echo, parent_pid=os.getpid(), env={str(k): str(v) for k, v in (env or {}).items()})
+                   echo=echo, parent_pid=os.getpid(), env={str(k): str(v) for k, v in (env or {}).items()},
+                   environ=None)
     procs, conns = [], []
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
             with _environment({"OMP_NUM_THREADS": threads, **options["env"]}):  # seen as the interpreter starts
+                if method == "forkserver":  # the server's environment is the one it started with: send ours
+                    options["environ"] = dict(os.environ)
                 proc = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=False,
                                    args=(rank, world_size, master_addr, store.port if store else None, worker, args,
                                          kwargs, child_conn, options))
@@ -448,7 +479,7 @@ def _publish_latest(log_dir, latest: Path, world_size: int) -> None:
         if source.is_file():
             target = latest / f"rank_{rank}" / "train.log"
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".train.log.{os.getpid()}.tmp")
+            tmp = target.with_name(f".train.log.{os.getpid()}.{threading.get_ident()}.tmp")  # per thread: launches may end together
             tmp.write_bytes(source.read_bytes())
             os.replace(tmp, target)
 

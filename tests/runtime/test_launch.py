@@ -24,8 +24,8 @@ def _gone(pid: int) -> bool:
         return f.read().split(") ")[1].split()[0] == "Z"
 
 
-def _children_of_this_process() -> list[int]:
-    me = str(os.getpid())
+def _children_of(pid: int) -> list[int]:
+    me = str(pid)
     kids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -35,9 +35,27 @@ def _children_of_this_process() -> list[int]:
             except OSError:
                 continue
             if fields[1] == me and fields[0] != "Z":
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"resource_tracker" not in f.read():  # multiprocessing's helper, not a rank
-                        kids.append(int(entry))
+                kids.append(int(entry))
+    return kids
+
+
+def _children_of_this_process() -> list[int]:
+    """The ranks still alive: this process's children and the fork server's (multiprocessing's helpers, the fork
+    server and the resource tracker, are not ranks)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver._forkserver_pid
+    kids = []
+    for pid in _children_of(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if pid == server:
+            kids += _children_of(pid)
+        elif b"resource_tracker" not in cmdline:
+            kids.append(pid)
     return kids
 
 
@@ -174,14 +192,35 @@ def test_two_launches_at_once_do_not_collide(tmp_path):
     assert [[r["after"] for r in res] for res in results] == [[3.0, 3.0], [3.0, 3.0]]
 
 
-def test_fork_start_method_gives_the_same_results(tmp_path, monkeypatch):
-    spawned = launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / "spawn", timeout_s=30)
-    monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "fork")
-    forked = launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / "fork", timeout_s=30)
-    assert forked == spawned
+def test_every_start_method_gives_the_same_results(tmp_path, monkeypatch):
+    monkeypatch.delenv("COURSE_LAUNCH_START_METHOD", raising=False)
+    assert launch_module._start_method() == ("forkserver" if sys.platform.startswith("linux") else "spawn")
+    results = {}
+    for method in ("spawn", "forkserver", "fork"):
+        monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", method)
+        results[method] = launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / method, timeout_s=30)
+    assert results["forkserver"] == results["spawn"] == results["fork"]
     monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "threads")
     with pytest.raises(ValueError, match="COURSE_LAUNCH_START_METHOD='threads'"):
         launch(demo_workers.allreduce_demo, 2, log_dir=tmp_path / "bad", timeout_s=30)
+
+
+def test_fork_server_ranks_see_the_callers_environment_and_folder_as_they_are_now(tmp_path, monkeypatch):
+    """The fork server keeps the environment it started with; its ranks must see the caller's, as spawned ranks do."""
+    monkeypatch.setenv("COURSE_LAUNCH_START_METHOD", "forkserver")
+    monkeypatch.setenv("COURSE_TEST_VALUE", "before")
+    names = ("COURSE_TEST_VALUE", "COURSE_TEST_ADDED", "OMP_NUM_THREADS")
+    first = launch(demo_workers.environment, 2, args=(names,), log_dir=tmp_path / "a", timeout_s=30, echo=False)
+    assert [r["env"]["COURSE_TEST_VALUE"] for r in first] == ["before", "before"]
+    monkeypatch.setenv("COURSE_TEST_VALUE", "after")
+    monkeypatch.setenv("COURSE_TEST_ADDED", "new")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    second = launch(demo_workers.environment, 2, args=(names,), log_dir=tmp_path / "b", timeout_s=30, echo=False,
+                    threads_per_rank=1)
+    assert [r["env"] for r in second] == [{"COURSE_TEST_VALUE": "after", "COURSE_TEST_ADDED": "new",
+                                           "OMP_NUM_THREADS": "1"}] * 2
+    assert {r["cwd"] for r in second} == {str(tmp_path / "elsewhere")}
 
 
 def test_fork_falls_back_to_spawn_where_a_forked_child_could_not_run_backward(tmp_path, monkeypatch):

@@ -14,4 +14,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
               "broadcast_tied_weight", "allreduce_tied_grad", "apply_pipeline", "PipelineRunner"),
     "torch_pipelining": ("TORCH_SCHEDULES", "build_torch_pipeline", "torch_pipeline_step"),
     "workers": ("bubble_sweep", "pipeline_train", "reference_run", "check_schedule_on_ranks"),
+    "comm_workers": ("exchange", "check_stage_loop", "stage_loop_reference", "peak_in_flight"),
+    "p2p_record": ("record_p2p",),
 })

@@ -181,7 +181,7 @@ class PipelineRunner:
         """Post a send (tensor, peer, tag, kind) and/or a receive (shape, peer, tag) as one batch; wait for the
         receive and return its buffer. A send posted with the next receive from the same neighbour is Megatron's
         send_forward_recv_backward: two neighbours that send to each other at the same moment then never both
-        wait for the other to receive first (NCCL would deadlock; gloo sends return at once either way)."""
+        wait for the other to receive first (a blocking send waits for its receiver, with NCCL and gloo alike)."""
         ops, buffer = [], None
         if send is not None:
             tensor, peer, tag, kind = send

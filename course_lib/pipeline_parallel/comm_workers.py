@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.core.steps import train_step
-from course_lib.parity import global_batches, seeded_gpt
+from course_lib.parity import global_batches, seeded_gpt, train_whole_batches
 from course_lib.pipeline_parallel.p2p_record import record_p2p
 from course_lib.pipeline_parallel.schedules import schedule_actions
 from course_lib.pipeline_parallel.stage import (
@@ -160,8 +160,6 @@ def check_stage_loop(run_stage, *, schedule: str = "1f1b", micro_batches: int = 
 def stage_loop_reference(steps: int = 2, global_batch: int = 8, seq_len: int = 16, seed: int = 0, lr: float = 0.05,
                          config_overrides: dict | None = None) -> dict:
     """One process, the whole model and batch, SGD as check_stage_loop: first-step gradients, losses, parameters."""
-    from course_lib.parity import train_whole_batches
-
     model = seeded_gpt(seed, "tiny", **(config_overrides or {}))
     return train_whole_batches(model, _optimizer(model.parameters(), "sgd", lr),
                                global_batches(steps, global_batch, seq_len, seed))

@@ -1556,6 +1556,19 @@ MODEL_PARALLEL_EXERCISES = GradedNotebook("session_e", "02b_model_parallel_exerc
     "cool_down_reversed": ("mp3_1f1b", "mp3_1f1b_tests", [
         ('[("B", i) for i in range(micro_batches - warmup, micro_batches)]',
          '[("B", i) for i in reversed(range(micro_batches - warmup, micro_batches))]')]),
+    "stage_loop_blocking_sends": ("mp4_stage_loop", "mp4_stage_loop_tests", [
+        ("sends.append(dist.isend(y.detach(), dst=rank + 1, tag=i))", "dist.send(y.detach(), dst=rank + 1, tag=i)"),
+        ("sends.append(dist.isend(x.grad, dst=rank - 1, tag=i))", "dist.send(x.grad, dst=rank - 1, tag=i)")]),
+    "stage_loop_loss_not_divided_by_m": ("mp4_stage_loop", "mp4_stage_loop_tests", [
+        ("y = loss_fn(y, micro_batches[i]) / m\n                losses.append(y.item())",
+         "y = loss_fn(y, micro_batches[i])\n                losses.append(y.item() / m)")]),
+    "stage_loop_received_input_without_grad": ("mp4_stage_loop", "mp4_stage_loop_tests", [
+        ("                dist.recv(x, src=rank - 1, tag=i)\n                x.requires_grad_()\n",
+         "                dist.recv(x, src=rank - 1, tag=i)\n")]),
+    "stage_loop_gradients_to_the_first_stage": ("mp4_stage_loop", "mp4_stage_loop_tests", [
+        ("sends.append(dist.isend(x.grad, dst=rank - 1, tag=i))", "sends.append(dist.isend(x.grad, dst=0, tag=i))")]),
+    "stage_loop_every_forward_first": ("mp4_stage_loop", "mp4_stage_loop_tests", [
+        ("    for kind, i in actions:", '    for kind, i in sorted(actions, key=lambda action: action[0] == "B"):')]),
 }, delegations={
     "mp2_block": """\
 def parallelize_block(block, f, g):
@@ -1572,6 +1585,13 @@ def megatron_f_and_g():
     "mp3_1f1b": """\
 def one_f_one_b(n_stages, stage, micro_batches):
     return SCHEDULES["1f1b"](n_stages, stage, micro_batches)
+""",
+    "mp4_stage_loop": """\
+def run_stage(stage, actions, micro_batches, hidden_shape, loss_fn):
+    from course_lib.pipeline_parallel import PipelineRunner
+
+    runner = PipelineRunner(stage, "1f1b", len(micro_batches))
+    return runner.step(torch.cat(micro_batches))
 """,
 }, alternatives={
     "mp2_block": """\
@@ -1635,6 +1655,58 @@ def megatron_f_and_g():
         return Leave.apply(x)
 
     return f, g
+""",
+    "mp4_stage_loop": """\
+def run_stage(stage, actions, micro_batches, hidden_shape, loss_fn):
+    # Megatron's way: a send goes out together with the next receive from the same neighbour, in one batch.
+    me, size = dist.get_rank(), dist.get_world_size()
+    before = me - 1 if me > 0 else None
+    after = me + 1 if me + 1 < size else None
+    held, total, waiting, later = {}, None, None, []  # waiting: a send (tensor, peer, tag) not posted yet
+
+    def flush():
+        nonlocal waiting
+        if waiting is not None:
+            later.extend(dist.batch_isend_irecv([dist.P2POp(dist.isend, waiting[0], waiting[1], tag=waiting[2])]))
+            waiting = None
+
+    def exchange(peer, tag):
+        nonlocal waiting
+        ops = []
+        if waiting is not None and waiting[1] == peer:
+            ops.append(dist.P2POp(dist.isend, waiting[0], waiting[1], tag=waiting[2]))
+            waiting = None
+        flush()
+        buffer = torch.zeros(hidden_shape)
+        ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=tag))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return buffer
+
+    for kind, index in actions:
+        if kind == "F":
+            source = micro_batches[index] if before is None else exchange(before, 2 * index).requires_grad_()
+            result = stage(source)
+            if after is None:
+                result = loss_fn(result, micro_batches[index]) / len(micro_batches)
+                total = result.detach() if total is None else total + result.detach()
+            else:
+                flush()
+                waiting = (result.detach(), after, 2 * index)
+            held[index] = (source, result)
+        else:
+            source, result = held.pop(index)
+            if after is None:
+                result.backward()
+            else:
+                result.backward(exchange(after, 2 * index + 1))
+            if before is not None:
+                flush()
+                waiting = (source.grad, before, 2 * index + 1)
+    flush()
+    for work in later:
+        work.wait()
+    return float(total) if after is None else None
 """,
     "mp3_1f1b": """\
 def one_f_one_b(n_stages, stage, micro_batches):

@@ -261,7 +261,7 @@ def test_every_glossary_link_resolves(html_dir, pages):
     assert not broken, f"glossary links that lead nowhere: {broken}"
 
 
-@pytest.mark.parametrize("session", "abcde")
+@pytest.mark.parametrize("session", "abcdef")
 def test_every_session_gives_instructors_a_90_minute_class_of_its_own_notebooks(session):
     """Seed 003 plans 90-minute sessions: each chapter says what to do in class and what is homework."""
     chapter = (SOURCE / "book" / f"session_{session}" / "index.md").read_text(encoding="utf-8")

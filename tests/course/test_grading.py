@@ -1834,7 +1834,241 @@ def merge_lora_linear(layer):
 """],
 })
 
-GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, DEBUGGING_LAB, DEBUGGING_LAB_SILENT, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING]
+CONTEXT_PARALLEL_EXERCISES = GradedNotebook("session_f", "01b_context_parallel_exercises", {
+    "merge_old_output_not_rescaled": ("cp1_merge", "cp1_merge_tests", [
+        ("out = out_a * torch.exp(lse_a - finite)[..., None] + out_b * torch.exp(lse_b - finite)[..., None]",
+         "out = out_a + out_b * torch.exp(lse_b - finite)[..., None]")]),
+    "merge_weights_not_normalised": ("cp1_merge", "cp1_merge_tests", [
+        ("out = out_a * torch.exp(lse_a - finite)[..., None] + out_b * torch.exp(lse_b - finite)[..., None]",
+         "out = out_a * torch.exp(lse_a)[..., None] + out_b * torch.exp(lse_b)[..., None]")]),
+    "merge_lse_is_the_max": ("cp1_merge", "cp1_merge_tests", [
+        ("lse = torch.logaddexp(lse_a, lse_b)", "lse = torch.maximum(lse_a, lse_b)")]),
+    "merge_exponentiates_the_lse": ("cp1_merge", "cp1_merge_tests", [
+        ("    lse = torch.logaddexp(lse_a, lse_b)\n"
+         "    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)\n"
+         "    out = out_a * torch.exp(lse_a - finite)[..., None] + out_b * torch.exp(lse_b - finite)[..., None]\n",
+         "    total = torch.exp(lse_a) + torch.exp(lse_b)\n"
+         "    lse = torch.log(total)\n"
+         "    out = (out_a * torch.exp(lse_a)[..., None] + out_b * torch.exp(lse_b)[..., None]) / total[..., None]\n")]),
+    "merge_nan_where_no_key": ("cp1_merge", "cp1_merge_tests", [
+        ("    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)\n", "    finite = lse\n")]),
+    "ring_mask_by_local_rows": ("cp2_ring", "cp2_ring_tests", [
+        ("allowed = q_pos[:, None] >= positions_of((rank - step) % size)[None, :]\n                if allowed.any():\n"
+         "                    scores = (q.float() @ block_k.float().transpose(-2, -1)) * scale\n"
+         "                    scores = scores.masked_fill",
+         "allowed = torch.arange(q.shape[-2])[:, None] >= torch.arange(k.shape[-2])[None, :]\n"
+         "                if allowed.any():\n"
+         "                    scores = (q.float() @ block_k.float().transpose(-2, -1)) * scale\n"
+         "                    scores = scores.masked_fill")]),
+    "ring_one_block_short": ("cp2_ring", "cp2_ring_tests", [
+        ("            block_k, block_v = k, v\n            for step in range(size):\n                if step < size - 1:\n",
+         "            block_k, block_v = k, v\n            for step in range(size - 1):\n                if step < size - 1:\n")]),
+    "ring_gradients_not_sent_home": ("cp2_ring", "cp2_ring_tests", [
+        ("                if step < size - 1:  # the block moves on with its gradients\n"
+         "                    block_k, block_v, dk, dv = arrived(*pass_on([block_k, block_v, dk, dv]))\n"
+         "                else:  # one more pass: every block's gradients are home\n"
+         "                    dk, dv = arrived(*pass_on([dk, dv]))\n",
+         "                if step < size - 1:\n"
+         "                    block_k, block_v = arrived(*pass_on([block_k, block_v]))\n")]),
+    "ring_assumes_a_contiguous_split": ("cp2_ring", "cp2_ring_tests", [
+        ("    def pass_on(tensors):", "    def positions_of(r):  # rank r holds rows r n .. r n + n - 1\n"
+         "        return torch.arange(r * q.shape[-2], (r + 1) * q.shape[-2])\n\n    def pass_on(tensors):")]),
+    "ring_masked_blocks_computed": ("cp2_ring", "cp2_ring_tests", [
+        ("                allowed = q_pos[:, None] >= positions_of((rank - step) % size)[None, :]\n"
+         "                if allowed.any():\n                    scores = (q.float() @ block_k.float().transpose(-2, -1)) * scale\n"
+         "                    scores = scores.masked_fill",
+         "                allowed = q_pos[:, None] >= positions_of((rank - step) % size)[None, :]\n"
+         "                if True:\n                    scores = (q.float() @ block_k.float().transpose(-2, -1)) * scale\n"
+         "                    scores = scores.masked_fill")]),
+}, delegations={
+    "cp1_merge": """\
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    from course_lib.context_parallel import merge
+
+    return merge(out_a, lse_a, out_b, lse_b)
+""",
+    "cp2_ring": """\
+def ring_attention(q, k, v, positions_of, merge):
+    from course_lib.context_parallel import ring_attention as library
+
+    contiguous = bool((positions_of(1)[0] == q.shape[-2]).item())
+    return library(q, k, v, layout="contiguous" if contiguous else "zigzag")
+""",
+}, alternatives={
+    "cp1_merge": """\
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    # the larger log-sum-exp factored out: weights exp(lse_x - top) <= 1, and 0 for a set with no key
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = weight_a + weight_b
+    lse = torch.where(total > 0, top + torch.log(total), torch.full_like(total, float("-inf")))
+    share_a = torch.where(total > 0, weight_a / total, torch.zeros_like(total))
+    share_b = torch.where(total > 0, weight_b / total, torch.zeros_like(total))
+    return share_a.unsqueeze(-1) * out_a + share_b.unsqueeze(-1) * out_b, lse
+""",
+    "cp2_ring": """\
+def ring_attention(q, k, v, positions_of, merge):
+    me, world = dist.get_rank(), dist.get_world_size()
+    right, left = (me + 1) % world, (me - 1) % world
+    mine = positions_of(me)
+    scale = q.shape[-1] ** -0.5
+
+    def rotate(*tensors):
+        incoming = [torch.zeros_like(t) for t in tensors]
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, left) for buf in incoming]
+                                          + [dist.P2POp(dist.isend, t.contiguous(), right) for t in tensors])
+        for request in requests:
+            request.wait()
+        return incoming
+
+    def visible(step):
+        owner = (me - step) % world
+        return mine.unsqueeze(1) >= positions_of(owner).unsqueeze(0)
+
+    class RingAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            acc, lse = torch.zeros(q.shape), torch.full(q.shape[:-1], -math.inf)
+            kv = torch.stack([k, v])
+            for step in range(world):
+                mask = visible(step)
+                if bool(mask.any()):
+                    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), kv[0].float()) * scale
+                    s = torch.where(mask, s, torch.tensor(-math.inf))
+                    m = torch.logsumexp(s, -1)
+                    p = torch.exp(s - torch.nan_to_num(m, neginf=0.0).unsqueeze(-1))
+                    acc, lse = merge(acc, lse, torch.einsum("bhqk,bhkd->bhqd", p, kv[1].float()), m)
+                if step + 1 < world:
+                    (kv,) = rotate(kv)
+            ctx.save_for_backward(q, k, v, acc, lse)
+            return acc.to(q.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, acc, lse = ctx.saved_tensors
+            g = grad.float()
+            d = (g * acc).sum(-1, keepdim=True)
+            base = torch.nan_to_num(lse, neginf=0.0).unsqueeze(-1)
+            grad_q = torch.zeros(q.shape)
+            travelling = torch.stack([k.float(), v.float(), torch.zeros(k.shape), torch.zeros(v.shape)])
+            for step in range(world):
+                mask = visible(step)
+                if bool(mask.any()):
+                    kk, vv = travelling[0], travelling[1]
+                    p = torch.exp(torch.einsum("bhqd,bhkd->bhqk", q.float(), kk) * scale - base) * mask
+                    ds = p * (torch.einsum("bhqd,bhkd->bhqk", g, vv) - d)
+                    grad_q += torch.einsum("bhqk,bhkd->bhqd", ds, kk) * scale
+                    travelling[2] += torch.einsum("bhqk,bhqd->bhkd", ds, q.float()) * scale
+                    travelling[3] += torch.einsum("bhqk,bhqd->bhkd", p, g)
+                (travelling,) = rotate(travelling)
+            return grad_q.to(q.dtype), travelling[2].to(k.dtype), travelling[3].to(v.dtype)
+
+    return RingAttention.apply(q, k, v)
+""",
+})
+
+EXPERT_PARALLEL_EXERCISES = GradedNotebook("session_f", "02b_expert_parallel_exercises", {
+    "route_weights_not_renormalised": ("ep1_route", "ep1_route_tests", [
+        ("    weights = top_probs / top_probs.sum(-1, keepdim=True)\n", "    weights = top_probs\n")]),
+    "route_one_slot_too_many": ("ep1_route", "ep1_route_tests", [
+        ("slots = torch.where(place < capacity, place,", "slots = torch.where(place <= capacity, place,")]),
+    "route_least_probable_experts": ("ep1_route", "ep1_route_tests", [
+        ("top_probs, experts = probs.topk(top_k, dim=-1)", "top_probs, experts = probs.topk(top_k, dim=-1, largest=False)")]),
+    "route_queues_filled_token_by_token": ("ep1_route", "ep1_route_tests", [
+        ("    order = experts.t().reshape(-1)  # every token's first choice, then every second choice, ...\n",
+         "    order = experts.reshape(-1)  # token by token\n"),
+        ("    return experts, weights, slots.view(top_k, -1).t(), probs", "    return experts, weights, slots.view(-1, top_k), probs")]),
+    "moe_weights_not_applied": ("ep2_moe", "ep2_moe_tests", [
+        ("index_add(0, token, back[row] * weights[token, choice, None])", "index_add(0, token, back[row])")]),
+    "moe_buffer_rows_slot_major": ("ep2_moe", "ep2_moe_tests", [
+        ("    row = experts_of[token, choice] * c + slots[token, choice]  # the row of the (E * C, d) buffer\n",
+         "    row = slots[token, choice] * n_experts + experts_of[token, choice]\n")]),
+    "moe_outputs_not_sent_back": ("ep2_moe", "ep2_moe_tests", [
+        ("    back = AllToAll.apply(done.reshape(-1, d))  # my tokens' outputs, in the buffer's layout\n",
+         "    back = done.reshape(-1, d)\n")]),
+    "moe_aux_from_kept_assignments": ("ep2_moe", "ep2_moe_tests", [
+        ("    f = F.one_hot(experts_of.reshape(-1), n_experts).float().mean(0)\n",
+         "    f = F.one_hot(experts_of[token, choice], n_experts).float().sum(0) / experts_of.numel()\n")]),
+    "moe_capacity_rounded_down": ("ep2_moe", "ep2_moe_tests", [
+        ("    c = math.ceil(capacity_factor * tokens * top_k / n_experts)\n",
+         "    c = int(capacity_factor * tokens * top_k / n_experts)\n")]),
+    "moe_one_expert_per_rank": ("ep2_moe", "ep2_moe_tests", [
+        ("    received = AllToAll.apply(dispatch).view(size, local, c, d)  # from each rank, the rows of my experts\n"
+         "    done = torch.stack([expert(received[:, j]) for j, expert in enumerate(experts)], dim=1)\n",
+         "    received = AllToAll.apply(dispatch).view(size, -1, d)  # from each rank, my expert's rows\n"
+         "    done = experts[0](received)\n")]),
+}, delegations={
+    "ep1_route": """\
+def route(logits, top_k, capacity):
+    from course_lib.expert_parallel import route as library_route
+
+    return library_route(logits, top_k, capacity)
+""",
+    "ep2_moe": """\
+def expert_parallel_moe(x, router, experts, n_experts, top_k, capacity_factor, route):
+    from course_lib.expert_parallel import MoE, ExpertParallelMoE
+
+    moe = MoE(x.shape[1], experts[0].up.out_features, n_experts, top_k, capacity_factor)
+    layer = ExpertParallelMoE(moe)
+    layer.router, layer.experts = router, experts
+    return layer(x)
+""",
+}, alternatives={
+    "ep1_route": """\
+def route(logits, top_k, capacity):
+    probs = logits.float().softmax(-1)
+    best = logits.float().topk(top_k, dim=-1)
+    experts = best.indices
+    weights = best.values.softmax(-1)  # Mixtral's way: the softmax of the chosen logits is the renormalised probability
+    slots = torch.full(experts.shape, -1, dtype=torch.long)
+    taken = [0] * logits.shape[-1]
+    for choice in range(top_k):
+        for token in range(logits.shape[0]):
+            expert = int(experts[token, choice])
+            if taken[expert] < capacity:
+                slots[token, choice] = taken[expert]
+                taken[expert] += 1
+    return experts, weights, slots, probs
+""",
+    "ep2_moe": """\
+def expert_parallel_moe(x, router, experts, n_experts, top_k, capacity_factor, route):
+    class Exchange(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, buffer):
+            result = buffer.new_empty(buffer.shape)
+            dist.all_to_all_single(result, buffer.contiguous())
+            return result
+
+        @staticmethod
+        def backward(ctx, grad):
+            result = grad.new_empty(grad.shape)
+            dist.all_to_all_single(result, grad.contiguous())
+            return result
+
+    ranks, per_rank = dist.get_world_size(), n_experts // dist.get_world_size()
+    n_tokens, width = x.shape
+    cap = math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+    chosen, weight, slot, probs = route(router(x), top_k, cap)
+    placed = torch.zeros(n_tokens, n_experts, cap)  # GShard's dispatch mask: token t in slot c of expert e
+    for t in range(n_tokens):
+        for j in range(top_k):
+            if slot[t, j] >= 0:
+                placed[t, chosen[t, j], slot[t, j]] = 1.0
+    buffer = torch.einsum("tec,td->ecd", placed, x)
+    arrived = Exchange.apply(buffer.reshape(n_experts * cap, width)).reshape(ranks, per_rank, cap, width)
+    results = torch.stack([experts[j](arrived[:, j].reshape(-1, width)).reshape(ranks, cap, width)
+                           for j in range(per_rank)], dim=1)
+    home = Exchange.apply(results.reshape(n_experts * cap, width)).reshape(n_experts, cap, width)
+    gate = placed * torch.zeros(n_tokens, n_experts).scatter(1, chosen, weight)[:, :, None]  # the combine weights
+    out = torch.einsum("tec,ecd->td", gate, home)
+    counts = torch.bincount(chosen.flatten(), minlength=n_experts).float() / chosen.numel()
+    return out, n_experts * torch.dot(counts, probs.mean(0))
+""",
+})
+
+GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, DEBUGGING_LAB, DEBUGGING_LAB_SILENT, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING,
+          CONTEXT_PARALLEL_EXERCISES, EXPERT_PARALLEL_EXERCISES]
 
 
 def grade_id(cell) -> str | None:

@@ -22,7 +22,7 @@ from prediction_checks import (is_prediction, measured_numbers, numbers_in,  # s
 from course_lib.nbtools import format_number, reveal_number
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SESSIONS = ("session_b", "session_c", "session_d", "session_e")
+SESSIONS = ("session_b", "session_c", "session_d", "session_e", "session_f")
 NOTEBOOKS = sorted(p for s in SESSIONS for p in (REPO_ROOT / "notebooks" / s).glob("*.ipynb"))
 MIN_PREDICTIONS = 25
 

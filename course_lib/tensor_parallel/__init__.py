@@ -15,4 +15,9 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "workers": ("DEFAULT_RUNS", "compare_with_reference", "reference_run", "tp_checks", "BLOCK_ROWS", "BLOCK_SEQ",
                 "HIDDEN", "ROWS", "TP_LINEARS", "check_megatron_regions", "check_tensor_parallel_block",
                 "megatron_regions_reference", "tp_block_reference"),
+    "sequence_parallel": ("gather_sequence", "reduce_scatter_sequence", "GatherFromSequenceParallelRegion",
+                          "ReduceScatterToSequenceParallelRegion", "gather_from_sequence_parallel_region",
+                          "reduce_scatter_to_sequence_parallel_region", "apply_sequence_parallel_block",
+                          "allreduce_sequence_parallel_grads"),
+    "sp_workers": ("check_sequence_parallel_block", "sequence_parallel_reference"),
 })

@@ -143,16 +143,21 @@ class RowParallelLinear(nn.Module):
 
     split_dim = 1
 
-    def __init__(self, linear: nn.Linear, group=None, stats: CommStats | None = None):
+    def __init__(self, linear: nn.Linear, group=None, stats: CommStats | None = None, reduce: bool = True):
         super().__init__()
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.stats = group, stats
+        if not reduce and linear.bias is not None:
+            raise ValueError("RowParallelLinear(reduce=False) returns a partial sum: add the bias after the reduction, "
+                             "not on every rank")
+        self.group, self.stats, self.reduce = group, stats, reduce
         self.in_features, self.out_features = linear.in_features // world_size, linear.out_features
         self.weight = nn.Parameter(_shard(linear.weight, 1, rank, world_size, "RowParallelLinear weight"))
         # The bias is added once, after the sum (adding it on every rank would count it t times).
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
-    def forward(self, x):  # (..., in / t) -> (..., out), the same on every rank
+    def forward(self, x):  # (..., in / t) -> (..., out), the same on every rank (reduce=False: this rank's part)
+        if not self.reduce:  # sequence parallelism reduce-scatters the partial sums after the layer
+            return F.linear(x, self.weight)
         y = reduce_from_parallel_region(F.linear(x, self.weight), self.group, self.stats)
         return y if self.bias is None else y + self.bias
 

@@ -1834,7 +1834,26 @@ def merge_lora_linear(layer):
 """],
 })
 
-CONTEXT_PARALLEL_EXERCISES = GradedNotebook("session_f", "01b_context_parallel_exercises", {
+LONG_CONTEXT_EXERCISES = GradedNotebook("session_f", "01b_long_context_exercises", {
+    "sp_enter_backward_not_summed": ("sp_regions", "sp_regions_tests", [
+        ("        @staticmethod\n        def backward(ctx, grad):\n            return reduce_scatter(grad)\n",
+         "        @staticmethod\n        def backward(ctx, grad):  # keep my positions\n"
+         "            n = grad.shape[1] // dist.get_world_size()\n"
+         "            return grad[:, dist.get_rank() * n:(dist.get_rank() + 1) * n]\n")]),
+    "sp_gathered_along_the_batch": ("sp_regions", "sp_regions_tests", [
+        ("        local = x.movedim(1, 0).contiguous()\n", "        local = x.contiguous()\n"),
+        ("        return out.movedim(0, 1)\n\n    def reduce_scatter", "        return out\n\n    def reduce_scatter")]),
+    "sp_leave_backward_not_gathered": ("sp_regions", "sp_regions_tests", [
+        ("        def forward(ctx, y):\n            return reduce_scatter(y)\n\n        @staticmethod\n"
+         "        def backward(ctx, grad):\n            return gather(grad)\n",
+         "        def forward(ctx, y):\n            return reduce_scatter(y)\n\n        @staticmethod\n"
+         "        def backward(ctx, grad):\n            return grad.repeat(1, dist.get_world_size(), 1)\n")]),
+    "sp_all_reduce_then_keep_my_positions": ("sp_regions", "sp_regions_tests", [
+        ("        full = y.movedim(1, 0).contiguous()\n"
+         "        out = full.new_empty((full.shape[0] // dist.get_world_size(), *full.shape[1:]))\n"
+         "        reduce_scatter_single(out, full)\n        return out.movedim(0, 1)\n",
+         "        total = y.clone()\n        dist.all_reduce(total)\n"
+         "        return total.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]\n")]),
     "merge_old_output_not_rescaled": ("cp1_merge", "cp1_merge_tests", [
         ("out = out_a * torch.exp(lse_a - finite)[..., None] + out_b * torch.exp(lse_b - finite)[..., None]",
          "out = out_a + out_b * torch.exp(lse_b - finite)[..., None]")]),
@@ -1881,6 +1900,13 @@ CONTEXT_PARALLEL_EXERCISES = GradedNotebook("session_f", "01b_context_parallel_e
          "                if True:\n                    scores = (q.float() @ block_k.float().transpose(-2, -1)) * scale\n"
          "                    scores = scores.masked_fill")]),
 }, delegations={
+    "sp_regions": """\
+def sequence_parallel_regions():
+    from course_lib.tensor_parallel import (gather_from_sequence_parallel_region,
+                                            reduce_scatter_to_sequence_parallel_region)
+
+    return gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
+""",
     "cp1_merge": """\
 def merge_attention(out_a, lse_a, out_b, lse_b):
     from course_lib.context_parallel import merge
@@ -1895,6 +1921,32 @@ def ring_attention(q, k, v, positions_of, merge):
     return library(q, k, v, layout="contiguous" if contiguous else "zigzag")
 """,
 }, alternatives={
+    "sp_regions": """\
+def sequence_parallel_regions():
+    # list collectives, one piece per rank, concatenated and split along the sequence
+    def pieces_of(tensor):
+        return [part.contiguous() for part in tensor.chunk(dist.get_world_size(), dim=1)]
+
+    def everyone(tensor):
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=1)
+
+    def my_sum(tensor):
+        mine = torch.empty_like(pieces_of(tensor)[dist.get_rank()])
+        dist.reduce_scatter(mine, pieces_of(tensor))
+        return mine
+
+    class GatherSequence(torch.autograd.Function):
+        forward = staticmethod(lambda ctx, x: everyone(x))
+        backward = staticmethod(lambda ctx, grad: my_sum(grad))
+
+    class ScatterSequence(torch.autograd.Function):
+        forward = staticmethod(lambda ctx, y: my_sum(y))
+        backward = staticmethod(lambda ctx, grad: everyone(grad))
+
+    return GatherSequence.apply, ScatterSequence.apply
+""",
     "cp1_merge": """\
 def merge_attention(out_a, lse_a, out_b, lse_b):
     # the larger log-sum-exp factored out: weights exp(lse_x - top) <= 1, and 0 for a set with no key
@@ -2068,7 +2120,7 @@ def expert_parallel_moe(x, router, experts, n_experts, top_k, capacity_factor, r
 })
 
 GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, DEBUGGING_LAB, DEBUGGING_LAB_SILENT, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING,
-          CONTEXT_PARALLEL_EXERCISES, EXPERT_PARALLEL_EXERCISES]
+          LONG_CONTEXT_EXERCISES, EXPERT_PARALLEL_EXERCISES]
 
 
 def grade_id(cell) -> str | None:

@@ -37,7 +37,7 @@ HINTED = (
     "session_e/02b_model_parallel_exercises",
     "session_e/03b_3d_exercises",
     "session_e/04b_lora_exercises",
-    "session_f/01b_context_parallel_exercises",
+    "session_f/01b_long_context_exercises",
     "session_f/02b_expert_parallel_exercises",
 )
 

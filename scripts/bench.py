@@ -15,7 +15,7 @@ other), so measure on a quiet machine; the machine line then says "busy machine"
 How the figures are taken is in the modules that take them, one per section in course_tools/bench/: compute
 (matmul ceiling, training tokens/s and fraction of the ceiling), profile, attention, comm (all-reduce
 bandwidth, data-parallel throughput), sharding (model-state bytes per rank of DDP, ZeRO and FSDP), parallel
-(step time and bytes communicated by DP, TP and PP); tables, printing and JSON in course_tools.bench.report.
+(step time and bytes communicated by DP, TP and PP), cp_ep (ring attention and expert parallelism); tables, printing and JSON in course_tools.bench.report.
 
 To add a section: write `run_<name>(opts: Options) -> Table | list[Table]` in a course_tools/bench/<topic>.py
 module and add one Section line to SECTIONS below; --only, --list, --quick and --json then cover it.
@@ -32,6 +32,7 @@ from pathlib import Path
 from course_lib.observability.timing import machine_info, setup_threads
 from course_tools.bench.attention import run_attention
 from course_tools.bench.comm import run_comm
+from course_tools.bench.cp_ep import run_context, run_experts
 from course_tools.bench.compute import run_matmul, run_train, run_versus
 from course_tools.bench.parallel import run_parallel
 from course_tools.bench.profile import run_profile
@@ -54,6 +55,10 @@ SECTIONS = [
             "FSDP at 2 and 4 ranks", run_sharding),
     Section("parallel", "step time and bytes communicated per rank, measured and by formula: DP, TP, PP (1F1B, "
             "GPipe) at 2 and 4 ranks", run_parallel),
+    Section("context", "ring attention over one sequence at 1, 2 and 4 ranks: step time, bytes sent per rank against "
+            "the formula, work balance of contiguous and zigzag splits", run_context),
+    Section("experts", "an expert-parallel MoE layer at 1, 2 and 4 ranks: step time, all-to-all sizes against E x C x d, "
+            "bytes to other ranks", run_experts),
 ]
 
 

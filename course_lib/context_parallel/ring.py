@@ -116,7 +116,7 @@ def start_ring_pass(tensors: list[torch.Tensor], group=None):
     nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
     if group is not None:
         nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
     return dist.batch_isend_irecv(ops), received

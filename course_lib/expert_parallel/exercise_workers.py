@@ -92,7 +92,7 @@ def check_expert_parallel(expert_parallel_moe, *, tokens_per_rank: int = 24, see
     router_grad = moe.router.weight.grad.clone() if moe.router.weight.grad is not None else torch.zeros_like(
         moe.router.weight)
     dist.all_reduce(router_grad)
-    aux_all = torch.tensor([float(aux.detach())])
+    aux_all = torch.tensor([float(aux.detach())], device=x_local.device)
     dist.all_reduce(aux_all)
     grads = {f"experts.{first + e}.{name}": (p.grad.clone() if p.grad is not None else None)
              for e, expert in enumerate(experts) for name, p in expert.named_parameters()}

@@ -1,8 +1,9 @@
-"""Planning a ~1000-GPU run: memory per GPU, traffic per GPU and the pipeline bubble of (dp, tp, pp, ZeRO) layouts.
+"""Planning a ~1000-GPU run: memory per GPU, traffic per GPU and the pipeline bubble of (dp, tp, pp, cp, ZeRO) layouts.
 
     python -m course_lib.hybrid.planner                          # 7B, 70B, 175B on 128 nodes x 8 H100 80GB
     python -m course_lib.hybrid.planner --model 70B --zero 0 1 3 --fits-only
     python -m course_lib.hybrid.planner --model 175B --recompute none
+    python -m course_lib.hybrid.planner --model 70B --seq-len 131072 --global-batch 64 --cp 1 2 4 8 --fits-only
 
 Formulas, not measurements (the inputs are printed with every table). For a layout, the busiest GPU holds
 the first pipeline stage: ceil(L / pp) layers with their matrices split over tp, plus the embedding.
@@ -23,6 +24,12 @@ the first pipeline stage: ceil(L / pp) layers with their matrices split over tp,
   TP traffic     4 all-reduces of b s h per layer and micro-batch (2 forward, 2 backward; sequence parallel
                  replaces each by an all-gather + reduce-scatter of the same volume), 2 (t-1)/t of it sent
   PP traffic     per micro-batch, b s h activations forward and their gradients backward, 1/tp per GPU
+  CP             context parallelism over cp GPUs (ring attention, course_lib.context_parallel): each GPU holds s/cp
+                 positions, so its activations, its TP and PP messages are 1/cp; it sends per layer and micro-batch
+                 (cp - 1) key/value blocks of b (s/cp) (h/tp) forward and 2 (cp - 1) + 1 blocks of k, v, dk, dv
+                 backward (each block two tensors); the weights are replicated over dp x cp GPUs, whose gradients
+                 (and ZeRO's shards) span dp x cp. Rank order (dp, pp, cp, tp): cp next to tp, inside a node when
+                 tp x cp fits in one
   bubble         (pp - 1) / (m + pp - 1) of the step, m = global batch / (dp x micro-batch) micro-batches
   step time      compute at a fraction of peak, stretched by the bubble, plus the TP and PP transfer times at
                  the assumed bandwidths, plus the DP time that overlap cannot hide (the last micro-batch's
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 
 from course_lib.core.checks import positive_ints
 from course_lib.core.model import GPTConfig
-from course_lib.hybrid.layout import DEFAULT_ORDER, nodes_spanned, parallel_sizes, strides
+from course_lib.hybrid.layout import nodes_spanned, parallel_sizes
 from course_lib.memory.accounting import GPU_80GB, count_parameters, format_bytes
 from course_lib.memory.activations import RECOMPUTE, korthikanti_bytes_per_layer
 from course_lib.memory.formulas import ZeroMemory, data_parallel_traffic, zero_memory_per_gpu
@@ -109,11 +116,21 @@ class Layout:
     pp: int
     zero_stage: int = 1
     micro_batch: int = 1
+    cp: int = 1
+    """Context parallelism: GPUs that split each sequence (ring attention)."""
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
 
 
 def check_layout(model: ModelShape, layout: Layout, cluster: Cluster, global_batch: int) -> None:
     """Raise ValueError naming what makes a layout impossible (sizes that do not divide or multiply out)."""
-    parallel_sizes(cluster.n_gpus, layout.tp, layout.pp, layout.dp)  # dp * tp * pp == number of GPUs
+    if layout.cp == 1:
+        parallel_sizes(cluster.n_gpus, layout.tp, layout.pp, layout.dp)  # dp * tp * pp == number of GPUs
+    elif layout.dp * layout.tp * layout.pp * layout.cp != cluster.n_gpus or min(layout.sizes.values()) < 1:
+        raise ValueError(f"dp * tp * pp * cp = {layout.dp} * {layout.tp} * {layout.pp} * {layout.cp} must equal the "
+                         f"cluster's {cluster.n_gpus} GPUs")
     if model.n_head % layout.tp or model.ffn_hidden % layout.tp:
         raise ValueError(f"tp ({layout.tp}) must divide n_head ({model.n_head}) and ffn_hidden ({model.ffn_hidden})")
     if layout.pp > model.n_layer:
@@ -123,6 +140,22 @@ def check_layout(model: ModelShape, layout: Layout, cluster: Cluster, global_bat
                          f"{layout.dp} x {layout.micro_batch}")
     if layout.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {layout.zero_stage!r}")
+
+
+def check_sequence(seq_len: int, cp: int) -> None:
+    if cp > 1 and seq_len % (2 * cp):
+        raise ValueError(f"seq_len ({seq_len}) must split into 2 x cp = {2 * cp} equal chunks (zigzag context "
+                         "parallelism)")
+
+
+def cp_bytes_per_gpu(n_layers: int, n_micro: int, micro_batch: int, seq_len: int, n_embd: int, tp: int,
+                     cp: int) -> float:
+    """Bytes a GPU sends per step for ring attention: per layer and micro-batch, (cp - 1) k/v blocks forward and
+    2 (cp - 1) + 1 blocks of (k, v) or (dk, dv) backward, a block being 2 tensors of b (s/cp) (h/tp) values."""
+    if cp == 1:
+        return 0.0
+    pair = 2 * micro_batch * (seq_len / cp) * (n_embd / tp) * ACT_BYTES  # one block of k and v
+    return n_layers * n_micro * ((cp - 1) + 2 * (cp - 1) + 1) * pair
 
 
 def pipeline_bubble(pp: int, n_micro: int) -> float:
@@ -149,10 +182,17 @@ def stage_params(model: ModelShape, tp: int, pp: int) -> float:
     return layers * (matrices / tp + 2 * h) + model.vocab_size * h / tp + last_stage_norm
 
 
+PLAN_ORDER = ("dp", "pp", "cp", "tp")
+"""Rank order of a plan, slowest to fastest: cp next to tp (DEFAULT_ORDER with cp inserted before tp)."""
+
+
 def _link(dim: str, layout: Layout, cluster: Cluster) -> float:
     """Bandwidth of a group: NVLink if rank 0's group of that kind sits in one node, the network otherwise."""
-    sizes = {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
-    group = [i * strides(sizes, DEFAULT_ORDER)[dim] for i in range(sizes[dim])]
+    sizes, stride, step = layout.sizes, {}, 1
+    for name in reversed(PLAN_ORDER):
+        stride[name] = step
+        step *= sizes[name]
+    group = [i * stride[dim] for i in range(sizes[dim])]
     inside = len(nodes_spanned(group, cluster.gpus_per_node)) == 1
     return cluster.intra_node_busbw if inside else cluster.inter_node_busbw
 
@@ -169,9 +209,9 @@ class Plan:
     tp_crosses_nodes: bool
     bubble: float
     traffic: dict
-    """Bytes sent per GPU per step: {'dp': ..., 'tp': ..., 'pp': ...}."""
+    """Bytes sent per GPU per step: {'dp': ..., 'tp': ..., 'pp': ..., 'cp': ...}."""
     seconds: dict
-    """{'compute': incl. the bubble, 'dp', 'tp', 'pp': transfer times, 'dp_exposed', 'step'}."""
+    """{'compute': incl. the bubble, 'dp', 'tp', 'pp', 'cp': transfer times, 'dp_exposed', 'step'}."""
     mfu: float
 
     @property
@@ -183,32 +223,37 @@ def plan(model: ModelShape, layout: Layout, cluster: Cluster = H100_CLUSTER, seq
          global_batch: int = 1024, recompute: str = "selective") -> Plan:
     """Memory, traffic and an estimated step time for one layout (global_batch in sequences of seq_len)."""
     check_layout(model, layout, cluster, global_batch)
-    dp, tp, pp, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
+    check_sequence(seq_len, layout.cp)
+    dp, tp, pp, cp, b = layout.dp, layout.tp, layout.pp, layout.cp, layout.micro_batch
     n_micro, layers = global_batch // (dp * b), math.ceil(model.n_layer / pp)
     params = stage_params(model, tp, pp)
-    states = zero_memory_per_gpu(params, dp, layout.zero_stage)
+    states = zero_memory_per_gpu(params, dp * cp, layout.zero_stage)  # the weights are replicated over dp x cp
     in_flight = min(pp, n_micro)  # 1F1B: stage 0 starts pp micro-batches before its first backward
+    # s/cp queries per GPU, each against all s keys: the formula's s b h (34 + 5 a s / h) / cp
     per_layer = korthikanti_bytes_per_layer(seq_len, b, model.n_embd, model.n_head, tp=tp, sequence_parallel=True,
-                                            recompute=recompute)
+                                            recompute=recompute) / cp
     activations = layers * in_flight * per_layer
     zero3 = layout.zero_stage == 3
-    dp_per_pass = data_parallel_traffic(params, dp, strategy="zero3" if zero3 else "ddp")
+    dp_per_pass = data_parallel_traffic(params, dp * cp, strategy="zero3" if zero3 else "ddp")
+    local_seq = seq_len / cp
     traffic = {"dp": dp_per_pass * (n_micro if zero3 else 1),  # ZeRO-3 gathers the weights for every micro-batch
-               "tp": tp_bytes_per_gpu(layers, n_micro, b, seq_len, model.n_embd, tp),
-               "pp": pp_bytes_per_gpu(n_micro, b, seq_len, model.n_embd, tp, pp)}
+               "tp": tp_bytes_per_gpu(layers, n_micro, b, local_seq, model.n_embd, tp),
+               "pp": pp_bytes_per_gpu(n_micro, b, local_seq, model.n_embd, tp, pp),
+               "cp": cp_bytes_per_gpu(layers, n_micro, b, seq_len, model.n_embd, tp, cp)}
     tokens = global_batch * seq_len
     flops_per_token = 6 * model.n_params + 12 * model.n_layer * model.n_embd * seq_len  # PaLM's, as GPT.flops_per_token
     work = flops_per_token * (4 / 3 if recompute == "full" else 1)  # full recompute: one more forward
     compute = work * tokens / (cluster.n_gpus * cluster.peak_flops * cluster.compute_efficiency)
     bubble = pipeline_bubble(pp, n_micro)
     seconds = {"compute": compute / (1 - bubble)}
-    seconds.update({dim: traffic[dim] / _link(dim, layout, cluster) for dim in ("dp", "tp", "pp")})
+    seconds.update({dim: traffic[dim] / _link(dim, layout, cluster) for dim in ("dp", "tp", "pp", "cp")})
     # Gradients are final only in the last micro-batch's backward (2/3 of its compute): DP traffic hides there,
     # as DDP's buckets do; ZeRO-3 prefetches parameters during all the compute. TP and PP transfers sit between
     # dependent computations: counted in full.
     hidden = compute if zero3 else 2 / 3 * compute / n_micro
     seconds["dp_exposed"] = max(0.0, seconds["dp"] - hidden)
-    seconds["step"] = seconds["compute"] + seconds["tp"] + seconds["pp"] + seconds["dp_exposed"]
+    # Ring attention overlaps each pass with the block computed meanwhile; counted in full here, an upper bound.
+    seconds["step"] = seconds["compute"] + seconds["tp"] + seconds["pp"] + seconds["cp"] + seconds["dp_exposed"]
     mfu = flops_per_token * tokens / (seconds["step"] * cluster.n_gpus * cluster.peak_flops)
     fits = states.total + activations <= cluster.gpu_memory * cluster.usable_fraction
     return Plan(model, layout, n_micro, params, states, activations, fits, tp > cluster.gpus_per_node, bubble,
@@ -216,20 +261,21 @@ def plan(model: ModelShape, layout: Layout, cluster: Cluster = H100_CLUSTER, seq
 
 
 def candidate_layouts(model: ModelShape, cluster: Cluster = H100_CLUSTER, global_batch: int = 1024,
-                      zero_stages=(1,), tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), micro_batch: int = 1):
-    """Every valid (dp, tp, pp, zero) layout of the cluster's GPUs from these choices."""
+                      zero_stages=(1,), tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), micro_batch: int = 1, cps=(1,)):
+    """Every valid (dp, tp, pp, cp, zero) layout of the cluster's GPUs from these choices."""
     layouts = []
     for zero in zero_stages:
-        for tp in tps:
-            for pp in pps:
-                if cluster.n_gpus % (tp * pp):
-                    continue
-                layout = Layout(cluster.n_gpus // (tp * pp), tp, pp, zero, micro_batch)
-                try:
-                    check_layout(model, layout, cluster, global_batch)
-                except ValueError:
-                    continue
-                layouts.append(layout)
+        for cp in cps:
+            for tp in tps:
+                for pp in pps:
+                    if cluster.n_gpus % (tp * pp * cp):
+                        continue
+                    layout = Layout(cluster.n_gpus // (tp * pp * cp), tp, pp, zero, micro_batch, cp)
+                    try:
+                        check_layout(model, layout, cluster, global_batch)
+                    except ValueError:
+                        continue
+                    layouts.append(layout)
     return layouts
 
 
@@ -240,17 +286,18 @@ def best(plans: list[Plan]) -> Plan | None:
 
 
 def plan_table(plans: list[Plan]) -> str:
-    head = (f"{'tp':>3}{'pp':>4}{'dp':>6}{'zero':>5}{'micro':>6}{'params/GPU':>11}{'states':>9}{'activ.':>9}"
-            f"{'total':>9}  fits{'bubble':>8}{'TP sent':>9}{'PP sent':>9}{'DP sent':>9}{'step s':>8}{'MFU':>6}")
+    head = (f"{'tp':>3}{'pp':>4}{'cp':>4}{'dp':>6}{'zero':>5}{'micro':>6}{'params/GPU':>11}{'states':>9}{'activ.':>9}"
+            f"{'total':>9}  fits{'bubble':>8}{'TP sent':>9}{'PP sent':>9}{'CP sent':>9}{'DP sent':>9}{'step s':>8}"
+            f"{'MFU':>6}")
     lines = [head]
     for p in plans:
         l, gb = p.layout, lambda x: f"{x / 1e9:.1f}G"
         fits = "yes " if p.fits else "no  "
         fits = "x-node" if p.tp_crosses_nodes else fits
-        lines.append(f"{l.tp:>3}{l.pp:>4}{l.dp:>6}{l.zero_stage:>5}{p.n_micro:>6}{p.params_per_gpu / 1e9:>10.2f}B"
-                     f"{gb(p.model_states.total):>9}{gb(p.activations):>9}{gb(p.total):>9}  {fits:<6}"
-                     f"{p.bubble:>6.1%}{gb(p.traffic['tp']):>9}{gb(p.traffic['pp']):>9}{gb(p.traffic['dp']):>9}"
-                     f"{p.seconds['step']:>8.2f}{p.mfu:>6.0%}")
+        lines.append(f"{l.tp:>3}{l.pp:>4}{l.cp:>4}{l.dp:>6}{l.zero_stage:>5}{p.n_micro:>6}"
+                     f"{p.params_per_gpu / 1e9:>10.2f}B{gb(p.model_states.total):>9}{gb(p.activations):>9}"
+                     f"{gb(p.total):>9}  {fits:<6}{p.bubble:>6.1%}{gb(p.traffic['tp']):>9}{gb(p.traffic['pp']):>9}"
+                     f"{gb(p.traffic['cp']):>9}{gb(p.traffic['dp']):>9}{p.seconds['step']:>8.2f}{p.mfu:>6.0%}")
     return "\n".join(lines)
 
 
@@ -271,6 +318,7 @@ def main(argv=None) -> None:
     parser.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
     parser.add_argument("--zero", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3])
     parser.add_argument("--recompute", default="selective", choices=RECOMPUTE)
+    parser.add_argument("--cp", type=int, nargs="+", default=[1], help="context-parallel sizes to try")
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--fits-only", action="store_true", help="list only the layouts that fit")
@@ -279,7 +327,8 @@ def main(argv=None) -> None:
     for name in args.model:
         model = MODELS[name]
         plans = [plan(model, layout, cluster, args.seq_len, args.global_batch, args.recompute)
-                 for layout in candidate_layouts(model, cluster, args.global_batch, tuple(args.zero))]
+                 for layout in candidate_layouts(model, cluster, args.global_batch, tuple(args.zero),
+                                                 cps=tuple(args.cp))]
         shown = [p for p in plans if p.fits and not p.tp_crosses_nodes] if args.fits_only else plans
         print(describe(model, cluster, args.seq_len, args.global_batch, args.recompute))
         print(plan_table(shown))
@@ -288,7 +337,7 @@ def main(argv=None) -> None:
             print("no layout fits: more pipeline stages, ZeRO-3, full recompute or a smaller micro-batch\n")
         else:
             l = choice.layout
-            print(f"best estimate: tp={l.tp} pp={l.pp} dp={l.dp} ZeRO-{l.zero_stage}, {format_bytes(choice.total)} "
+            print(f"best estimate: tp={l.tp} pp={l.pp} cp={l.cp} dp={l.dp} ZeRO-{l.zero_stage}, {format_bytes(choice.total)} "
                   f"per GPU, bubble {choice.bubble:.1%}, step {choice.seconds['step']:.2f} s, MFU {choice.mfu:.0%}\n")
 
 

@@ -208,18 +208,25 @@ def apply_tensor_parallel(model: GPT, group=None, broadcast: bool = True) -> GPT
         broadcast_parameters(model, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     stats = CommStats()
     for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group))
-        attn.o_proj = RowParallelLinear(attn.o_proj, group, stats)
+        apply_tensor_parallel_attention(block.attn, group, stats)
+        mlp = block.mlp
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group)
         mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, group, stats)
-        attn.n_local_heads = model.config.n_head // world_size  # for readers; the forward infers it
-        attn.register_forward_pre_hook(_enter_region_hook(group, stats))
         mlp.register_forward_pre_hook(_enter_region_hook(group, stats))
     model.tp_stats = stats
     return model
+
+
+def apply_tensor_parallel_attention(attn: nn.Module, group=None, stats: CommStats | None = None) -> nn.Module:
+    """One attention module split in place over `group`: q/k/v column-parallel (this rank's heads), o row-parallel
+    (g inside it), f on its input. The same forward then runs n_head/t heads."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group))
+    attn.o_proj = RowParallelLinear(attn.o_proj, group, stats)
+    attn.n_local_heads = attn.q_proj.out_features // attn.head_dim  # for readers; the forward infers it
+    attn.register_forward_pre_hook(_enter_region_hook(group, stats))
+    return attn
 
 
 def _parallel_layers(model: nn.Module):

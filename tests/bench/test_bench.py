@@ -73,7 +73,10 @@ def test_bench_quick_writes_consistent_json(quick_run):
     assert set(report["sections"]) == {s.name for s in bench.SECTIONS}
     assert report["machine"]["torch_threads"] >= 1 and "machine:" in stdout
     assert "total:" in stdout and all(f"({s.name}: " in stdout for s in bench.SECTIONS)  # wall time per section
-    may_be_zero = {"spread", "step_spread", *PROFILE_SHARES}  # spreads and time shares can be 0
+    may_be_zero = {"spread", "step_spread", *PROFILE_SHARES,  # spreads and time shares can be 0
+                   # one rank sends nothing; a capacity factor above 1 may drop nothing
+                   "forward_bytes", "expected_forward_bytes", "backward_bytes", "expected_backward_bytes",
+                   "off_rank_bytes", "dropped"}
     for name, section in report["sections"].items():
         assert section["tables"] and section["wall_s"] > 0, name
         for table_name, table in section["tables"].items():
@@ -142,3 +145,32 @@ def test_bench_quick_comm_section(quick_run):
         assert r["tokens_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["global_batch"] * r["seq_len"] / (r["step_ms"] / 1e3), rel=1e-9)
         assert r["ratio"] == pytest.approx(r["tokens_per_s"] / throughput[0]["tokens_per_s"], rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bench_quick_context_and_experts_sections(quick_run):
+    """Every rank of every ring sends exactly the formula's bytes, zigzag balances the work and a contiguous split
+    does not; every all-to-all moves the E x C x d buffer, four per step."""
+    stdout, report = quick_run
+    context = _rows(report, "context")
+    assert [(r["strategy"], r["world_size"]) for r in context] == [
+        ("one process", 1), ("ring, contiguous", 2), ("ring, zigzag", 2), ("ring, contiguous", 4), ("ring, zigzag", 4)]
+    for r in context:
+        n = r["world_size"]
+        assert r["agrees"] and r["step_ms"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["seq_len"] / (r["step_ms"] / 1e3), rel=1e-9)
+        assert r["forward_bytes"] == r["expected_forward_bytes"] and r["backward_bytes"] == r["expected_backward_bytes"]
+        block = r["expected_forward_bytes"] / max(1, 2 * (n - 1))
+        assert (n == 1) or r["expected_backward_bytes"] == (4 * (n - 1) + 2) * block
+        if "zigzag" in r["strategy"]:
+            assert r["balance"] == 1.0
+        elif n > 1:
+            assert r["balance"] > 2 * n - 1.5  # rank N-1 computes about 2N - 1 times rank 0's pairs
+    experts = _rows(report, "experts")
+    assert [r["world_size"] for r in experts] == [1, 2, 4]
+    for r in experts:
+        assert r["agrees"] and r["all_to_alls"] == 4 and r["all_to_all_elements"] == r["expected_elements"]
+        assert r["off_rank_bytes"] == pytest.approx(4 * r["expected_elements"] * 4 * (r["world_size"] - 1) / r["world_size"])
+        assert 0 <= r["dropped"] < 1
+    assert "zigzag" in section_stdout(stdout, "context") and "E C d" in section_stdout(stdout, "experts")

@@ -16,11 +16,12 @@ cells but no entry fails test_every_graded_notebook_declares_its_mutants.
 
 How it runs: every mutant is graded against its own exercise only, by course_tools.grading.grade (the step
 nbgrader's autograde runs, see nbgrader_config.py), all mutants of a notebook in one grading sandbox (one
-start-up, one forked check per mutant). nbgrader itself then autogrades four submissions per notebook,
-side by side in two scratch courses: the solutions, the untouched release, and a mixed one (each
-exercise but the last given a mutant of another kind, the kinds rotating from notebook to notebook so that
-every kind goes through nbgrader, with a kernel-changing cell added outside the answers), which checks the
-whole pipeline: scores per cell, in the gradebook. Nothing is written into the repository.
+start-up, one forked check per mutant), with each notebook's solutions (full marks) and untouched release (zero).
+nbgrader itself then autogrades, for the notebooks of NBGRADED, side by side in two scratch courses: the
+solutions and a mixed submission (each exercise but the last given a mutant of another kind, the kinds rotating
+from notebook to notebook so that every kind goes through nbgrader, with a kernel-changing cell added outside the
+answers), and one untouched release, which checks the whole pipeline: scores per cell, in the gradebook, and the
+feedback page. Nothing is written into the repository.
 """
 
 from __future__ import annotations
@@ -1851,7 +1852,7 @@ LONG_CONTEXT_EXERCISES = GradedNotebook("session_f", "01b_long_context_exercises
     "sp_all_reduce_then_keep_my_positions": ("sp_regions", "sp_regions_tests", [
         ("        full = y.movedim(1, 0).contiguous()\n"
          "        out = full.new_empty((full.shape[0] // dist.get_world_size(), *full.shape[1:]))\n"
-         "        reduce_scatter_single(out, full)\n        return out.movedim(0, 1)\n",
+         "        scatter_into(out, full)\n        return out.movedim(0, 1)\n",
          "        total = y.clone()\n        dist.all_reduce(total)\n"
          "        return total.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]\n")]),
     "merge_old_output_not_rescaled": ("cp1_merge", "cp1_merge_tests", [
@@ -2121,6 +2122,11 @@ def expert_parallel_moe(x, router, experts, n_experts, top_k, capacity_factor, r
 
 GRADED = [MODEL_FROM_SCRATCH, DDP_EXERCISES, TRAINER_EXERCISES, CLUSTER_EXERCISES, JOB_EXERCISES, DEBUGGING_LAB, DEBUGGING_LAB_SILENT, ZERO_EXERCISES, SHARDING_EXERCISES, MODEL_PARALLEL_EXERCISES, MESH_LAYOUT, LORA_FINETUNING,
           LONG_CONTEXT_EXERCISES, EXPERT_PARALLEL_EXERCISES]
+NBGRADED = [MODEL_FROM_SCRATCH, ZERO_EXERCISES, MESH_LAYOUT, LONG_CONTEXT_EXERCISES]
+"""Notebooks that nbgrader itself autogrades (solutions and a mixed submission): one per kind of exercise (a
+function, a training algorithm on ranks, a layout, a collective written by hand), their mixed submissions together
+carrying every kind of mutant. The others' solutions and untouched releases are graded by the sandbox, the very
+step nbgrader's autograde runs (nbgrader_config.py): the same verdicts without nbgrader's start-up per notebook."""
 
 
 def grade_id(cell) -> str | None:
@@ -2136,6 +2142,12 @@ def points(path: Path) -> dict[str, float]:
 def solution_code(notebook: GradedNotebook) -> dict[str, str]:
     """{solution cell id: its code as a learner would write it (no markers)}."""
     return {grade_id(c): without_markers(c.source) for c in nbformat.read(notebook.source, as_version=4).cells
+            if c.metadata.get("nbgrader", {}).get("solution")}
+
+
+def untouched_code(notebook: GradedNotebook) -> dict[str, str]:
+    """{solution cell id: its code in the released student version (the stub)}."""
+    return {grade_id(c): c.source for c in nbformat.read(notebook.student_version, as_version=4).cells
             if c.metadata.get("nbgrader", {}).get("solution")}
 
 
@@ -2253,6 +2265,11 @@ def checked() -> dict[str, Checked]:
         for name, answers in alternative_submissions(notebook).items():
             submissions[name] = {**solutions, **answers}
             only[name] = [tests[cell] for cell in answers]
+        every_test = sorted(set(tests.values()))
+        if notebook not in NBGRADED:  # nbgrader grades these two itself for the notebooks of NBGRADED
+            submissions["solutions"], only["solutions"] = solutions, every_test
+        if notebook is not MESH_LAYOUT:
+            submissions["untouched"], only["untouched"] = untouched_code(notebook), every_test
         return Checked(grade(notebook.source, submissions, only=only))
 
     with ThreadPoolExecutor(SCRATCH_COURSES) as pool:
@@ -2295,16 +2312,18 @@ class Grades:
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> dict[str, Grades]:
-    """nbgrader autogrades, for every graded notebook, its solutions, its untouched release and a mixed
-    submission (mutant kinds rotated by the notebook's place in GRADED), spread over SCRATCH_COURSES scratch
-    courses graded side by side."""
-    jobs, mutated = [], {}
-    for notebook in GRADED:
-        submissions = {"solutions": nbformat.read(notebook.source, as_version=4),
-                       "untouched": nbformat.read(notebook.student_version, as_version=4)}
-        submissions["mixed"], mutated[str(notebook), "mixed"] = mixed_submission(notebook, GRADED.index(notebook))
+    """nbgrader autogrades, for every notebook of NBGRADED, its solutions and a mixed submission (mutant kinds
+    rotated so that together they use every kind), and the untouched release of MESH_LAYOUT (whose feedback page
+    is checked), spread over SCRATCH_COURSES scratch courses graded side by side."""
+    jobs, mutated, offset = [], {}, 0
+    for notebook in NBGRADED:
+        submissions = {"solutions": nbformat.read(notebook.source, as_version=4)}
+        if notebook is MESH_LAYOUT:
+            submissions["untouched"] = nbformat.read(notebook.student_version, as_version=4)
+        submissions["mixed"], mutated[str(notebook), "mixed"] = mixed_submission(notebook, offset)
+        offset += len(mutated[str(notebook), "mixed"])
         jobs += [(notebook, student, nb) for student, nb in submissions.items()]
-    assignment_ids = sorted({notebook.assignment for notebook in GRADED})
+    assignment_ids = sorted({notebook.assignment for notebook in NBGRADED})
     courses = [grading.stage_course(REPO_ROOT, tmp_path_factory.mktemp("course"), assignment_ids)
                for _ in range(SCRATCH_COURSES)]
     course_of = {}
@@ -2315,7 +2334,7 @@ def graded(tmp_path_factory) -> dict[str, Grades]:
         nbformat.write(nb, path)
     with ThreadPoolExecutor(len(courses)) as pool:
         by_course = dict(zip(courses, pool.map(grading.autograde, courses)))
-    results = {str(notebook): Grades({}, {}, {}) for notebook in GRADED}
+    results = {str(notebook): Grades({}, {}, {}) for notebook in NBGRADED}
     for (notebook, student), course in course_of.items():
         grades = results[str(notebook)]
         grades.scores[student] = by_course[course][student][notebook.assignment][notebook.name]
@@ -2457,8 +2476,15 @@ def test_release_contains_no_solution_and_no_hidden_test(source):
 # ------------------------------------------------------------------ autograde, through nbgrader
 
 @pytest.mark.parametrize("notebook", GRADED, ids=str)
-def test_solutions_score_full_marks(graded, notebook):
-    grades, expected = graded[str(notebook)], points(notebook.source)
+def test_solutions_score_full_marks(checked, graded, notebook):
+    expected = points(notebook.source)
+    if notebook not in NBGRADED:  # graded by the sandbox, the step nbgrader's autograde runs
+        results = checked[str(notebook)].results["solutions"]
+        assert set(results) == set(expected), f"graded cells {sorted(results)} != test cells {sorted(expected)}"
+        lost = {cell: r.error[-1500:] for cell, r in results.items() if not r.passed}
+        assert not lost, f"{notebook}: the solutions lose points: {lost}"
+        return
+    grades = graded[str(notebook)]
     got = grades.scores["solutions"]
     assert set(got) == set(expected), f"graded cells {sorted(got)} != test cells of the notebook {sorted(expected)}"
     lost = {cell: score for cell, score in got.items() if score != (expected[cell], expected[cell])}
@@ -2466,14 +2492,20 @@ def test_solutions_score_full_marks(graded, notebook):
 
 
 @pytest.mark.parametrize("notebook", GRADED, ids=str)
-def test_untouched_release_scores_zero_on_every_graded_cell(graded, notebook):
+def test_untouched_release_scores_zero_on_every_graded_cell(checked, graded, notebook):
+    if notebook is not MESH_LAYOUT:  # graded by the sandbox: the student version's answer cells, as released
+        results = checked[str(notebook)].results["untouched"]
+        assert set(results) == set(points(notebook.source))
+        passed = sorted(cell for cell, r in results.items() if r.passed)
+        assert not passed, f"{notebook}: the untouched release passes {passed}"
+        return
     got = graded[str(notebook)].scores["untouched"]
     assert set(got) == set(points(notebook.source))
     assert all(max_score > 0 for _, max_score in got.values())
     assert {cell: score for cell, (score, _) in got.items() if score != 0} == {}
 
 
-@pytest.mark.parametrize("notebook", GRADED, ids=str)
+@pytest.mark.parametrize("notebook", NBGRADED, ids=str)
 def test_mixed_submission_loses_exactly_the_mutated_exercises(graded, notebook):
     grades, expected, student = graded[str(notebook)], points(notebook.source), "mixed"
     mutated = grades.mutated[student]
@@ -2486,18 +2518,18 @@ def test_mixed_submission_loses_exactly_the_mutated_exercises(graded, notebook):
 
 
 def test_every_kind_of_mutant_goes_through_nbgrader(graded):
-    kinds = {kind for notebook in GRADED for kind in graded[str(notebook)].mutated["mixed"].values()}
+    kinds = {kind for notebook in NBGRADED for kind in graded[str(notebook)].mutated["mixed"].values()}
     assert kinds == {"wrong answer", *CHEAT_KINDS}, kinds
 
 
 def test_score_table(graded):
     by_assignment = {}
-    for notebook in GRADED:  # an assignment may hold several graded notebooks
+    for notebook in NBGRADED:  # an assignment may hold several graded notebooks
         by_assignment.setdefault(notebook.assignment, {})[notebook.name] = graded[str(notebook)].scores["solutions"]
     scores = {"solutions": by_assignment}
     table = grading.format_scores(scores)
     rows = [line.split() for line in table.splitlines()]
-    for notebook in GRADED:
+    for notebook in NBGRADED:
         total = f"{sum(points(notebook.source).values()):g}"
         assert ["solutions", notebook.assignment, notebook.name, "TOTAL", total, "/", total] in rows, table
         assert {row[3] for row in rows[1:] if row[2] == notebook.name} == set(points(notebook.source)) | {"TOTAL"}, table

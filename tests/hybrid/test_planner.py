@@ -14,6 +14,7 @@ from course_lib.hybrid.planner import (
     best,
     candidate_layouts,
     check_layout,
+    cp_bytes_per_gpu,
     pipeline_bubble,
     plan,
     pp_bytes_per_gpu,
@@ -80,7 +81,7 @@ def test_plan_combines_the_formulas():
     assert p.model_states == zero_memory_per_gpu(params, 2, 1)
     assert p.activations == 2 * 2 * sp_bytes(4, 1, 8, 2, 2)  # 2 layers x 2 in flight
     assert p.traffic == {"dp": data_parallel_traffic(params, 2), "tp": tp_bytes_per_gpu(2, 4, 1, 4, 8, 2),
-                         "pp": pp_bytes_per_gpu(4, 1, 4, 8, 2, 2)}
+                         "pp": pp_bytes_per_gpu(4, 1, 4, 8, 2, 2), "cp": 0.0}
     assert p.bubble == 1 / 5
     # Order (dp, pp, tp): tp and pp groups {0, 1}, {0, 2} sit in node 0; the dp group {0, 4} spans two nodes.
     assert p.seconds["tp"] == p.traffic["tp"] / 100 and p.seconds["pp"] == p.traffic["pp"] / 100
@@ -90,7 +91,7 @@ def test_plan_combines_the_formulas():
     assert math.isclose(p.seconds["compute"], compute / (1 - 1 / 5))
     assert math.isclose(p.seconds["dp_exposed"], max(0.0, p.seconds["dp"] - 2 / 3 * compute / 4))
     assert math.isclose(p.seconds["step"], p.seconds["compute"] + p.seconds["tp"] + p.seconds["pp"]
-                        + p.seconds["dp_exposed"])
+                        + p.seconds["dp_exposed"]) and p.seconds["cp"] == 0
     assert math.isclose(p.mfu, flops / (p.seconds["step"] * 8 * 1e9))
     assert p.fits == (p.total <= 1e6) and p.total == p.model_states.total + p.activations
 
@@ -103,6 +104,27 @@ def test_zero3_gathers_every_micro_batch_and_pipelining_keeps_activations_flat()
     acts = [plan(TOY, Layout(dp=8 // pp, tp=1, pp=pp), TOY_CLUSTER, seq_len=4, global_batch=16).activations
             for pp in (1, 2, 4)]
     assert acts[1] == acts[2] == 4 * sp_bytes(4, 1, 8, 2, 1)
+
+
+def test_context_parallelism_divides_activations_and_sends_its_ring():
+    base = plan(TOY, Layout(dp=8, tp=1, pp=1), TOY_CLUSTER, seq_len=8, global_batch=16)
+    ring = plan(TOY, Layout(dp=4, tp=1, pp=1, cp=2), TOY_CLUSTER, seq_len=8, global_batch=16)
+    assert ring.activations == base.activations / 2  # s/2 queries per GPU, each against all s keys
+    # 4 layers x 4 micro-batches x (1 forward + 2 x 1 + 1 backward) blocks of k and v, each 2 x 1 x 4 x 8 x 2 bytes
+    assert ring.traffic["cp"] == cp_bytes_per_gpu(4, 4, 1, 8, 8, 1, 2) == 4 * 4 * 4 * 2 * 1 * 4 * 8 * 2
+    assert base.traffic["cp"] == 0 and ring.traffic["tp"] == 0
+    params = stage_params(TOY, 1, 1)
+    assert ring.model_states == zero_memory_per_gpu(params, 8, 1)  # replicated over dp x cp = 8 GPUs
+    assert ring.traffic["dp"] == data_parallel_traffic(params, 8)
+    # order (dp, pp, cp, tp): the cp group {0, 1} sits in node 0
+    assert ring.seconds["cp"] == ring.traffic["cp"] / 100
+    with pytest.raises(ValueError, match=r"seq_len \(6\) must split into 2 x cp = 4 equal chunks"):
+        plan(TOY, Layout(dp=4, tp=1, pp=1, cp=2), TOY_CLUSTER, seq_len=6, global_batch=16)
+    with pytest.raises(ValueError, match=r"dp \* tp \* pp \* cp = 2 \* 1 \* 1 \* 2 must equal the cluster's 8 GPUs"):
+        plan(TOY, Layout(dp=2, tp=1, pp=1, cp=2), TOY_CLUSTER, seq_len=8, global_batch=16)
+    long = [p for p in (plan(MODELS["70B"], layout, seq_len=131072, global_batch=64)
+                        for layout in candidate_layouts(MODELS["70B"], global_batch=64, cps=(1, 8)))]
+    assert not any(p.fits for p in long if p.layout.cp == 1) and any(p.fits for p in long if p.layout.cp == 8)
 
 
 def test_tp_across_nodes_is_flagged_and_slow():
@@ -147,4 +169,5 @@ def test_command_line(capsys):
     scale_planner.main(["--model", "7B", "70B", "--fits-only"])
     out = capsys.readouterr().out
     assert out.count("best estimate: tp=") == 2 and "128 nodes x 8 GPUs of 80 GB" in out
-    assert " 16   1 " not in out  # --fits-only drops tensor parallelism across nodes
+    assert not [line for line in out.splitlines() if line.startswith(" 16 ")]  # --fits-only drops tp across nodes
+    assert [line for line in out.splitlines() if line.startswith("  8 ")]

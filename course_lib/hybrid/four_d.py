@@ -33,7 +33,7 @@ from course_lib.tensor_parallel.tp_layers import (
     copy_to_parallel_region,
 )
 
-SHAPE = {"batch": 4, "seq_len": 16, "n_embd": 32, "n_head": 4, "n_experts": 4, "hidden": 64, "top_k": 2,
+FOUR_D_SHAPE = {"batch": 4, "seq_len": 16, "n_embd": 32, "n_head": 4, "n_experts": 4, "hidden": 64, "top_k": 2,
          "capacity_factor": 2.0}
 AUX_WEIGHT = 0.01
 DIMS = ("dp", "cp", "tp")
@@ -55,7 +55,7 @@ class MoEBlock(nn.Module):
 
 def four_d_inputs(seed: int = 0, **shape):
     """The block (seeded), the input (batch, seq_len, n_embd) and an upstream gradient, the same everywhere."""
-    s = {**SHAPE, **shape}
+    s = {**FOUR_D_SHAPE, **shape}
     torch.manual_seed(seed)
     block = MoEBlock(s["n_embd"], s["n_head"], s["n_experts"], s["hidden"], s["top_k"], s["capacity_factor"],
                      s["seq_len"])
@@ -64,17 +64,17 @@ def four_d_inputs(seed: int = 0, **shape):
     return block, x, torch.randn(x.shape, generator=generator)
 
 
-def coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+def four_d_place(rank: int, sizes: dict[str, int]) -> dict[str, int]:
     """(d, c, t) of a rank in the (dp, cp, tp) grid, tp fastest."""
     t = rank % sizes["tp"]
     c = rank // sizes["tp"] % sizes["cp"]
     return {"dp": rank // (sizes["tp"] * sizes["cp"]), "cp": c, "tp": t}
 
 
-def group_members(sizes: dict[str, int]) -> dict[str, list[list[int]]]:
+def four_d_groups(sizes: dict[str, int]) -> dict[str, list[list[int]]]:
     """Every group of each kind, as lists of ranks: tp, cp, dp and ep (the dp x cp ranks of one tensor rank)."""
     world = sizes["dp"] * sizes["cp"] * sizes["tp"]
-    places = [coordinates(r, sizes) for r in range(world)]
+    places = [four_d_place(r, sizes) for r in range(world)]
 
     def grouped(vary: tuple[str, ...]) -> list[list[int]]:
         keys = {}
@@ -93,7 +93,7 @@ def _token_slices(sizes: dict[str, int], d: int, c: int, batch: int, seq_len: in
 def four_d_reference(dp: int = 2, cp: int = 2, layout: str = "zigzag", seed: int = 0, **shape) -> dict:
     """One process, the whole block, batch and sequence; the experts route each (data, context) rank's tokens as
     one group, as the expert-parallel ranks do. Output, input gradient and every parameter's gradient."""
-    s = {**SHAPE, **shape}
+    s = {**FOUR_D_SHAPE, **shape}
     block, x, upstream = four_d_inputs(seed, **shape)
     x.requires_grad_()
     sizes = {"dp": dp, "cp": cp, "tp": 1}
@@ -117,14 +117,14 @@ def four_d_run(dp: int = 2, cp: int = 2, tp: int = 2, layout: str = "zigzag", se
     forward, backward, and the gradients summed where they must be. Returns this rank's place, output and input
     gradient rows and positions, its parameters' gradients under the full block's names (with how each is split),
     and the bytes each dimension sent."""
-    s = {**SHAPE, **shape}
+    s = {**FOUR_D_SHAPE, **shape}
     sizes = {"dp": dp, "cp": cp, "tp": tp}
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != dp * cp * tp:
         raise ValueError(f"dp * cp * tp = {dp} * {cp} * {tp} = {dp * cp * tp} ranks, but the job has {world_size}")
-    place = coordinates(rank, sizes)
+    place = four_d_place(rank, sizes)
     mine = {}
-    for kind, groups in group_members(sizes).items():  # every rank creates every group, in the same order
+    for kind, groups in four_d_groups(sizes).items():  # every rank creates every group, in the same order
         for members in groups:
             group = dist.new_group(members)
             if rank in members:

@@ -121,6 +121,9 @@ def run_context(opts: Options) -> Table:
                "exactly that in both passes.",
                "work max/min = the most query-key pairs a rank computes over the fewest: a contiguous split gives "
                "the last rank every earlier block, zigzag (chunks r and 2N-1-r) gives every rank the same.",
+               "At 1 rank the sequence is one block, computed whole under its causal mask (half of it wasted); the "
+               "ring skips the blocks the mask hides and works on smaller blocks, so 2 ranks can be more than "
+               "twice as fast as 1.",
                *oversubscribed_note(RANKS, cores, " (each ring pass waits for the slowest rank)")])
 
 

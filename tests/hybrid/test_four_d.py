@@ -7,7 +7,7 @@ spread over the data and context ranks, in a mixture-of-experts block, equal to 
 import pytest
 import torch
 
-from course_lib.hybrid.four_d import coordinates, four_d_reference, four_d_run, group_members
+from course_lib.hybrid import four_d_groups, four_d_place, four_d_reference, four_d_run
 from course_lib.runtime.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -15,14 +15,14 @@ pytestmark = pytest.mark.distributed
 
 def test_every_rank_is_in_one_group_of_each_kind_and_the_groups_vary_one_dimension():
     sizes = {"dp": 2, "cp": 2, "tp": 2}
-    groups = group_members(sizes)
+    groups = four_d_groups(sizes)
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert groups["ep"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     for kind, members in groups.items():
         assert sorted(r for group in members for r in group) == list(range(8)), kind
-    assert coordinates(6, sizes) == {"dp": 1, "cp": 1, "tp": 0}
+    assert four_d_place(6, sizes) == {"dp": 1, "cp": 1, "tp": 0}
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -16,5 +16,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "planner": ("ACT_BYTES", "ModelShape", "MODELS", "Cluster", "H100_CLUSTER", "Layout", "check_layout",
                 "pipeline_bubble", "tp_bytes_per_gpu", "pp_bytes_per_gpu", "stage_params", "Plan", "plan",
                 "candidate_layouts", "best", "plan_table", "describe", "cp_bytes_per_gpu", "check_sequence",
-                "PLAN_ORDER"),
+                "PLAN_ORDER", "MOE_MODELS", "stage_expert_params", "ep_bytes_per_gpu"),
 })

@@ -4,6 +4,7 @@
     python -m course_lib.hybrid.planner --model 70B --zero 0 1 3 --fits-only
     python -m course_lib.hybrid.planner --model 175B --recompute none
     python -m course_lib.hybrid.planner --model 70B --seq-len 131072 --global-batch 64 --cp 1 2 4 8 --fits-only
+    python -m course_lib.hybrid.planner --model 8x7B --ep 1 2 4 8 --fits-only        # a mixture of experts
 
 Formulas, not measurements (the inputs are printed with every table). For a layout, the busiest GPU holds
 the first pipeline stage: ceil(L / pp) layers with their matrices split over tp, plus the embedding.
@@ -30,6 +31,11 @@ the first pipeline stage: ceil(L / pp) layers with their matrices split over tp,
                  backward (each block two tensors); the weights are replicated over dp x cp GPUs, whose gradients
                  (and ZeRO's shards) span dp x cp. Rank order (dp, pp, cp, tp): cp next to tp, inside a node when
                  tp x cp fits in one
+  EP             a MoE model (n_experts MLPs of ffn_hidden, top_k of them per token, a capacity factor) splits its
+                 experts over ep of the dp x cp GPUs, whole (not split by tp); per MoE layer and micro-batch 4
+                 all-to-alls of the E x C x h buffer, C = capacity factor x tokens x k / E, (ep-1)/ep sent; the
+                 experts' gradients sync over dp x cp / ep GPUs; FLOPs count the active parameters (top_k experts).
+                 The activation formula counts one MLP per token: low for MoE (a token passes k experts)
   bubble         (pp - 1) / (m + pp - 1) of the step, m = global batch / (dp x micro-batch) micro-batches
   step time      compute at a fraction of peak, stretched by the bubble, plus the TP and PP transfer times at
                  the assumed bandwidths, plus the DP time that overlap cannot hide (the last micro-batch's
@@ -63,14 +69,32 @@ class ModelShape:
     n_head: int
     ffn_hidden: int
     vocab_size: int
+    n_experts: int = 0
+    """0: a dense MLP per layer. Otherwise a mixture of experts: n_experts MLPs of ffn_hidden and a router."""
+    top_k: int = 2
+    capacity_factor: float = 1.25
 
     def config(self, seq_len: int) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab_size, block_size=seq_len, n_layer=self.n_layer, n_head=self.n_head,
                          n_embd=self.n_embd, ffn_hidden=self.ffn_hidden)
 
     @property
+    def expert_params(self) -> int:
+        """One expert: a SwiGLU MLP, 3 h F."""
+        return 3 * self.n_embd * self.ffn_hidden
+
+    def _moe_extra(self, experts: int) -> int:
+        """Parameters of a model whose layers run `experts` MLPs, beyond the dense model's one, router included."""
+        return self.n_layer * ((experts - 1) * self.expert_params + self.n_embd * self.n_experts) if self.n_experts else 0
+
+    @property
     def n_params(self) -> int:
-        return count_parameters(self.config(1))
+        return count_parameters(self.config(1)) + self._moe_extra(self.n_experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token goes through (a MoE token sees top_k experts): what its FLOPs count."""
+        return count_parameters(self.config(1)) + self._moe_extra(self.top_k)
 
 
 # LLaMA-7B's shape, a 70B and GPT-3 175B's shape with a SwiGLU MLP. A SwiGLU MLP has three h x F matrices,
@@ -80,6 +104,11 @@ MODELS = {
     "7B": ModelShape("7B", n_layer=32, n_embd=4096, n_head=32, ffn_hidden=11008, vocab_size=32000),
     "70B": ModelShape("70B", n_layer=80, n_embd=8192, n_head=64, ffn_hidden=24576, vocab_size=32000),
     "175B": ModelShape("175B", n_layer=96, n_embd=12288, n_head=96, ffn_hidden=32768, vocab_size=50304),
+}
+MOE_MODELS = {
+    # Mixtral 8x7B's shape (8 experts of F = 14336, top-2), with full multi-head attention where Mixtral has 8 k/v heads
+    "8x7B": ModelShape("8x7B", n_layer=32, n_embd=4096, n_head=32, ffn_hidden=14336, vocab_size=32000, n_experts=8,
+                       top_k=2),
 }
 
 
@@ -118,6 +147,8 @@ class Layout:
     micro_batch: int = 1
     cp: int = 1
     """Context parallelism: GPUs that split each sequence (ring attention)."""
+    ep: int = 1
+    """Expert parallelism: GPUs of the dp x cp ranks over which a MoE model's experts are split."""
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -140,6 +171,11 @@ def check_layout(model: ModelShape, layout: Layout, cluster: Cluster, global_bat
                          f"{layout.dp} x {layout.micro_batch}")
     if layout.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {layout.zero_stage!r}")
+    if layout.ep > 1 and not model.n_experts:
+        raise ValueError(f"ep ({layout.ep}) splits experts, and {model.name} has none (n_experts = 0)")
+    if layout.ep < 1 or (model.n_experts and model.n_experts % layout.ep) or (layout.dp * layout.cp) % layout.ep:
+        raise ValueError(f"ep ({layout.ep}) must divide n_experts ({model.n_experts}) and dp x cp = "
+                         f"{layout.dp} x {layout.cp}: the experts are split over the data and context ranks")
 
 
 def check_sequence(seq_len: int, cp: int) -> None:
@@ -174,12 +210,33 @@ def pp_bytes_per_gpu(n_micro: int, micro_batch: int, seq_len: int, n_embd: int, 
     return 0.0 if pp == 1 else n_micro * 2 * micro_batch * seq_len * n_embd * ACT_BYTES / tp
 
 
-def stage_params(model: ModelShape, tp: int, pp: int) -> float:
-    """Parameters on one GPU of the first pipeline stage: its layers' share plus the embedding's share."""
+def stage_params(model: ModelShape, tp: int, pp: int, ep: int = 1) -> float:
+    """Parameters on one GPU of the first pipeline stage: its layers' share plus the embedding's share (a MoE
+    model's experts included: stage_expert_params)."""
     h, layers = model.n_embd, math.ceil(model.n_layer / pp)
-    matrices = 4 * h * h + 3 * h * model.ffn_hidden  # split over tp; the two norms (2 h) are replicated
+    mlp = 0 if model.n_experts else 3 * h * model.ffn_hidden
+    matrices = 4 * h * h + mlp  # split over tp; the two norms (2 h) are replicated
     last_stage_norm = h if pp == 1 else 0  # with one stage the final norm sits here too
-    return layers * (matrices / tp + 2 * h) + model.vocab_size * h / tp + last_stage_norm
+    router = h * model.n_experts  # replicated
+    dense = layers * (matrices / tp + 2 * h + router) + model.vocab_size * h / tp + last_stage_norm
+    return dense + stage_expert_params(model, pp, ep)
+
+
+def stage_expert_params(model: ModelShape, pp: int, ep: int) -> float:
+    """A MoE model's expert parameters on one GPU of the first stage: n_experts / ep experts per layer, whole (not
+    split by tensor parallelism, as in course_lib.hybrid.four_d)."""
+    return math.ceil(model.n_layer / pp) * model.n_experts / ep * model.expert_params if model.n_experts else 0.0
+
+
+def ep_bytes_per_gpu(model: ModelShape, n_layers: int, n_micro: int, micro_batch: int, seq_len: int, cp: int,
+                     ep: int) -> float:
+    """Bytes a GPU sends per step for expert parallelism: per MoE layer and micro-batch 4 all-to-alls (dispatch and
+    combine, forward and backward) of its E x C x h buffer, C = capacity factor x tokens x k / E, (ep-1)/ep of it
+    to other GPUs."""
+    if not model.n_experts or ep == 1:
+        return 0.0
+    buffer = model.capacity_factor * model.top_k * micro_batch * (seq_len / cp) * model.n_embd  # E x C x h
+    return n_layers * n_micro * 4 * buffer * ACT_BYTES * (ep - 1) / ep
 
 
 PLAN_ORDER = ("dp", "pp", "cp", "tp")
@@ -192,7 +249,10 @@ def _link(dim: str, layout: Layout, cluster: Cluster) -> float:
     for name in reversed(PLAN_ORDER):
         stride[name] = step
         step *= sizes[name]
-    group = [i * stride[dim] for i in range(sizes[dim])]
+    if dim == "ep":  # the first ep of the dp x cp ranks that share rank 0's pipeline and tensor coordinates
+        group = [(i % layout.cp) * stride["cp"] + (i // layout.cp) * stride["dp"] for i in range(layout.ep)]
+    else:
+        group = [i * stride[dim] for i in range(sizes[dim])]
     inside = len(nodes_spanned(group, cluster.gpus_per_node)) == 1
     return cluster.intra_node_busbw if inside else cluster.inter_node_busbw
 
@@ -209,9 +269,9 @@ class Plan:
     tp_crosses_nodes: bool
     bubble: float
     traffic: dict
-    """Bytes sent per GPU per step: {'dp': ..., 'tp': ..., 'pp': ..., 'cp': ...}."""
+    """Bytes sent per GPU per step: {'dp': ..., 'tp': ..., 'pp': ..., 'cp': ..., 'ep': ...}."""
     seconds: dict
-    """{'compute': incl. the bubble, 'dp', 'tp', 'pp', 'cp': transfer times, 'dp_exposed', 'step'}."""
+    """{'compute': incl. the bubble, 'dp', 'tp', 'pp', 'cp', 'ep': transfer times, 'dp_exposed', 'step'}."""
     mfu: float
 
     @property
@@ -226,34 +286,48 @@ def plan(model: ModelShape, layout: Layout, cluster: Cluster = H100_CLUSTER, seq
     check_sequence(seq_len, layout.cp)
     dp, tp, pp, cp, b = layout.dp, layout.tp, layout.pp, layout.cp, layout.micro_batch
     n_micro, layers = global_batch // (dp * b), math.ceil(model.n_layer / pp)
-    params = stage_params(model, tp, pp)
-    states = zero_memory_per_gpu(params, dp * cp, layout.zero_stage)  # the weights are replicated over dp x cp
+    ep = layout.ep
+    params = stage_params(model, tp, pp, ep)
+    experts = stage_expert_params(model, pp, ep)
+    dense = params - experts
+    # The weights are replicated over dp x cp GPUs, an expert's over dp x cp / ep: ZeRO shards each over its own
+    states = zero_memory_per_gpu(dense, dp * cp, layout.zero_stage)
+    if experts:
+        more = zero_memory_per_gpu(experts, dp * cp // ep, layout.zero_stage)
+        states = ZeroMemory(states.stage, states.params + more.params, states.grads + more.grads,
+                            states.optimizer_states + more.optimizer_states)
     in_flight = min(pp, n_micro)  # 1F1B: stage 0 starts pp micro-batches before its first backward
     # s/cp queries per GPU, each against all s keys: the formula's s b h (34 + 5 a s / h) / cp
     per_layer = korthikanti_bytes_per_layer(seq_len, b, model.n_embd, model.n_head, tp=tp, sequence_parallel=True,
                                             recompute=recompute) / cp
     activations = layers * in_flight * per_layer
     zero3 = layout.zero_stage == 3
-    dp_per_pass = data_parallel_traffic(params, dp * cp, strategy="zero3" if zero3 else "ddp")
+    strategy = "zero3" if zero3 else "ddp"
+    dp_per_pass = data_parallel_traffic(dense, dp * cp, strategy=strategy)
+    if experts and dp * cp // ep > 1:
+        dp_per_pass += data_parallel_traffic(experts, dp * cp // ep, strategy=strategy)
     local_seq = seq_len / cp
     traffic = {"dp": dp_per_pass * (n_micro if zero3 else 1),  # ZeRO-3 gathers the weights for every micro-batch
                "tp": tp_bytes_per_gpu(layers, n_micro, b, local_seq, model.n_embd, tp),
                "pp": pp_bytes_per_gpu(n_micro, b, local_seq, model.n_embd, tp, pp),
-               "cp": cp_bytes_per_gpu(layers, n_micro, b, seq_len, model.n_embd, tp, cp)}
+               "cp": cp_bytes_per_gpu(layers, n_micro, b, seq_len, model.n_embd, tp, cp),
+               "ep": ep_bytes_per_gpu(model, layers, n_micro, b, seq_len, cp, ep)}
     tokens = global_batch * seq_len
-    flops_per_token = 6 * model.n_params + 12 * model.n_layer * model.n_embd * seq_len  # PaLM's, as GPT.flops_per_token
+    # PaLM's, as GPT.flops_per_token; a MoE token goes through top_k experts: its active parameters
+    flops_per_token = 6 * model.active_params + 12 * model.n_layer * model.n_embd * seq_len
     work = flops_per_token * (4 / 3 if recompute == "full" else 1)  # full recompute: one more forward
     compute = work * tokens / (cluster.n_gpus * cluster.peak_flops * cluster.compute_efficiency)
     bubble = pipeline_bubble(pp, n_micro)
     seconds = {"compute": compute / (1 - bubble)}
-    seconds.update({dim: traffic[dim] / _link(dim, layout, cluster) for dim in ("dp", "tp", "pp", "cp")})
+    seconds.update({dim: traffic[dim] / _link(dim, layout, cluster) for dim in ("dp", "tp", "pp", "cp", "ep")})
     # Gradients are final only in the last micro-batch's backward (2/3 of its compute): DP traffic hides there,
     # as DDP's buckets do; ZeRO-3 prefetches parameters during all the compute. TP and PP transfers sit between
     # dependent computations: counted in full.
     hidden = compute if zero3 else 2 / 3 * compute / n_micro
     seconds["dp_exposed"] = max(0.0, seconds["dp"] - hidden)
     # Ring attention overlaps each pass with the block computed meanwhile; counted in full here, an upper bound.
-    seconds["step"] = seconds["compute"] + seconds["tp"] + seconds["pp"] + seconds["cp"] + seconds["dp_exposed"]
+    seconds["step"] = (seconds["compute"] + seconds["tp"] + seconds["pp"] + seconds["cp"] + seconds["ep"]
+                       + seconds["dp_exposed"])
     mfu = flops_per_token * tokens / (seconds["step"] * cluster.n_gpus * cluster.peak_flops)
     fits = states.total + activations <= cluster.gpu_memory * cluster.usable_fraction
     return Plan(model, layout, n_micro, params, states, activations, fits, tp > cluster.gpus_per_node, bubble,
@@ -261,21 +335,23 @@ def plan(model: ModelShape, layout: Layout, cluster: Cluster = H100_CLUSTER, seq
 
 
 def candidate_layouts(model: ModelShape, cluster: Cluster = H100_CLUSTER, global_batch: int = 1024,
-                      zero_stages=(1,), tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), micro_batch: int = 1, cps=(1,)):
-    """Every valid (dp, tp, pp, cp, zero) layout of the cluster's GPUs from these choices."""
+                      zero_stages=(1,), tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), micro_batch: int = 1, cps=(1,),
+                      eps=(1,)):
+    """Every valid (dp, tp, pp, cp, ep, zero) layout of the cluster's GPUs from these choices."""
     layouts = []
     for zero in zero_stages:
         for cp in cps:
-            for tp in tps:
-                for pp in pps:
-                    if cluster.n_gpus % (tp * pp * cp):
-                        continue
-                    layout = Layout(cluster.n_gpus // (tp * pp * cp), tp, pp, zero, micro_batch, cp)
-                    try:
-                        check_layout(model, layout, cluster, global_batch)
-                    except ValueError:
-                        continue
-                    layouts.append(layout)
+            for ep in eps:
+                for tp in tps:
+                    for pp in pps:
+                        if cluster.n_gpus % (tp * pp * cp):
+                            continue
+                        layout = Layout(cluster.n_gpus // (tp * pp * cp), tp, pp, zero, micro_batch, cp, ep)
+                        try:
+                            check_layout(model, layout, cluster, global_batch)
+                        except ValueError:
+                            continue
+                        layouts.append(layout)
     return layouts
 
 
@@ -286,18 +362,19 @@ def best(plans: list[Plan]) -> Plan | None:
 
 
 def plan_table(plans: list[Plan]) -> str:
-    head = (f"{'tp':>3}{'pp':>4}{'cp':>4}{'dp':>6}{'zero':>5}{'micro':>6}{'params/GPU':>11}{'states':>9}{'activ.':>9}"
-            f"{'total':>9}  fits{'bubble':>8}{'TP sent':>9}{'PP sent':>9}{'CP sent':>9}{'DP sent':>9}{'step s':>8}"
-            f"{'MFU':>6}")
+    head = (f"{'tp':>3}{'pp':>4}{'cp':>4}{'ep':>4}{'dp':>6}{'zero':>5}{'micro':>6}{'params/GPU':>11}{'states':>9}"
+            f"{'activ.':>9}{'total':>9}  fits{'bubble':>8}{'TP sent':>9}{'PP sent':>9}{'CP sent':>9}{'EP sent':>9}"
+            f"{'DP sent':>9}{'step s':>8}{'MFU':>6}")
     lines = [head]
     for p in plans:
         l, gb = p.layout, lambda x: f"{x / 1e9:.1f}G"
         fits = "yes " if p.fits else "no  "
         fits = "x-node" if p.tp_crosses_nodes else fits
-        lines.append(f"{l.tp:>3}{l.pp:>4}{l.cp:>4}{l.dp:>6}{l.zero_stage:>5}{p.n_micro:>6}"
+        lines.append(f"{l.tp:>3}{l.pp:>4}{l.cp:>4}{l.ep:>4}{l.dp:>6}{l.zero_stage:>5}{p.n_micro:>6}"
                      f"{p.params_per_gpu / 1e9:>10.2f}B{gb(p.model_states.total):>9}{gb(p.activations):>9}"
                      f"{gb(p.total):>9}  {fits:<6}{p.bubble:>6.1%}{gb(p.traffic['tp']):>9}{gb(p.traffic['pp']):>9}"
-                     f"{gb(p.traffic['cp']):>9}{gb(p.traffic['dp']):>9}{p.seconds['step']:>8.2f}{p.mfu:>6.0%}")
+                     f"{gb(p.traffic['cp']):>9}{gb(p.traffic['ep']):>9}{gb(p.traffic['dp']):>9}"
+                     f"{p.seconds['step']:>8.2f}{p.mfu:>6.0%}")
     return "\n".join(lines)
 
 
@@ -313,22 +390,23 @@ def describe(model: ModelShape, cluster: Cluster, seq_len: int, global_batch: in
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--model", nargs="+", default=list(MODELS), choices=[*MODELS, *MOE_MODELS])
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
     parser.add_argument("--zero", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3])
     parser.add_argument("--recompute", default="selective", choices=RECOMPUTE)
     parser.add_argument("--cp", type=int, nargs="+", default=[1], help="context-parallel sizes to try")
+    parser.add_argument("--ep", type=int, nargs="+", default=[1], help="expert-parallel sizes to try (MoE models)")
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--fits-only", action="store_true", help="list only the layouts that fit")
     args = parser.parse_args(argv)
     cluster = Cluster(n_nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     for name in args.model:
-        model = MODELS[name]
+        model = {**MODELS, **MOE_MODELS}[name]
         plans = [plan(model, layout, cluster, args.seq_len, args.global_batch, args.recompute)
                  for layout in candidate_layouts(model, cluster, args.global_batch, tuple(args.zero),
-                                                 cps=tuple(args.cp))]
+                                                 cps=tuple(args.cp), eps=tuple(args.ep))]
         shown = [p for p in plans if p.fits and not p.tp_crosses_nodes] if args.fits_only else plans
         print(describe(model, cluster, args.seq_len, args.global_batch, args.recompute))
         print(plan_table(shown))
@@ -337,7 +415,7 @@ def main(argv=None) -> None:
             print("no layout fits: more pipeline stages, ZeRO-3, full recompute or a smaller micro-batch\n")
         else:
             l = choice.layout
-            print(f"best estimate: tp={l.tp} pp={l.pp} cp={l.cp} dp={l.dp} ZeRO-{l.zero_stage}, {format_bytes(choice.total)} "
+            print(f"best estimate: tp={l.tp} pp={l.pp} cp={l.cp} ep={l.ep} dp={l.dp} ZeRO-{l.zero_stage}, {format_bytes(choice.total)} "
                   f"per GPU, bubble {choice.bubble:.1%}, step {choice.seconds['step']:.2f} s, MFU {choice.mfu:.0%}\n")
 
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from course_lib.memory.activations import count_saved_bytes
+from course_lib.core.model import GPTConfig
+from course_lib.memory.activations import count_saved_bytes, layer_terms
 from course_lib.tensor_parallel.sequence_parallel import (
     allreduce_sequence_parallel_grads,
     apply_sequence_parallel_block,
@@ -45,6 +46,13 @@ def _count_norm_saves(block, saved: dict) -> None:
         norm.forward = forward
 
 
+def norm_formula_bytes(batch: int, seq_len: int) -> dict[str, int]:
+    """What course_lib.memory.activations.layer_terms counts for each norm of the tiny GPT's block (tp_block) over
+    seq_len positions: its fp32 input and its 1/rms per position."""
+    terms = layer_terms(GPTConfig.from_preset("tiny"), batch, seq_len)
+    return {name: sum(v for k, v in terms.items() if k.startswith(f"{name}:")) for name in NORMS}
+
+
 def sequence_parallel_reference(seed: int = 0) -> dict:
     """One process, the whole block on the whole sequence (tp_block_reference), and the bytes its norms save."""
     reference = tp_block_reference(seed)
@@ -53,7 +61,7 @@ def sequence_parallel_reference(seed: int = 0) -> dict:
     saved: dict = {}
     _count_norm_saves(block, saved)
     block(x.requires_grad_(), cos, sin)
-    return {**reference, "norm_saved_bytes": saved}
+    return {**reference, "norm_saved_bytes": saved, "norm_formula_bytes": norm_formula_bytes(*x.shape[:2])}
 
 
 def _numel(name: str, args, kwargs) -> int:
@@ -106,4 +114,5 @@ def check_sequence_parallel_block(make_fn, *, seed: int = 0) -> dict:
     return {"rank": rank, "world_size": world_size, "positions": (positions.start, positions.stop),
             "y": y.detach(), "x_grad": x_local.grad,
             "grads": {name: None if p.grad is None else p.grad.clone() for name, p in block.named_parameters()},
-            "calls": calls, "norm_saved_bytes": saved, "bsh": x.numel()}
+            "calls": calls, "norm_saved_bytes": saved, "bsh": x.numel(),
+            "norm_formula_bytes": norm_formula_bytes(x.shape[0], n)}

@@ -15,6 +15,8 @@ from course_lib.hybrid.planner import (
     candidate_layouts,
     check_layout,
     cp_bytes_per_gpu,
+    ep_bytes_per_gpu,
+    stage_expert_params,
     pipeline_bubble,
     plan,
     pp_bytes_per_gpu,
@@ -81,7 +83,7 @@ def test_plan_combines_the_formulas():
     assert p.model_states == zero_memory_per_gpu(params, 2, 1)
     assert p.activations == 2 * 2 * sp_bytes(4, 1, 8, 2, 2)  # 2 layers x 2 in flight
     assert p.traffic == {"dp": data_parallel_traffic(params, 2), "tp": tp_bytes_per_gpu(2, 4, 1, 4, 8, 2),
-                         "pp": pp_bytes_per_gpu(4, 1, 4, 8, 2, 2), "cp": 0.0}
+                         "pp": pp_bytes_per_gpu(4, 1, 4, 8, 2, 2), "cp": 0.0, "ep": 0.0}
     assert p.bubble == 1 / 5
     # Order (dp, pp, tp): tp and pp groups {0, 1}, {0, 2} sit in node 0; the dp group {0, 4} spans two nodes.
     assert p.seconds["tp"] == p.traffic["tp"] / 100 and p.seconds["pp"] == p.traffic["pp"] / 100
@@ -91,7 +93,7 @@ def test_plan_combines_the_formulas():
     assert math.isclose(p.seconds["compute"], compute / (1 - 1 / 5))
     assert math.isclose(p.seconds["dp_exposed"], max(0.0, p.seconds["dp"] - 2 / 3 * compute / 4))
     assert math.isclose(p.seconds["step"], p.seconds["compute"] + p.seconds["tp"] + p.seconds["pp"]
-                        + p.seconds["dp_exposed"]) and p.seconds["cp"] == 0
+                        + p.seconds["dp_exposed"]) and p.seconds["cp"] == p.seconds["ep"] == 0
     assert math.isclose(p.mfu, flops / (p.seconds["step"] * 8 * 1e9))
     assert p.fits == (p.total <= 1e6) and p.total == p.model_states.total + p.activations
 
@@ -125,6 +127,34 @@ def test_context_parallelism_divides_activations_and_sends_its_ring():
     long = [p for p in (plan(MODELS["70B"], layout, seq_len=131072, global_batch=64)
                         for layout in candidate_layouts(MODELS["70B"], global_batch=64, cps=(1, 8)))]
     assert not any(p.fits for p in long if p.layout.cp == 1) and any(p.fits for p in long if p.layout.cp == 8)
+
+
+TOY_MOE = ModelShape("toy moe", n_layer=4, n_embd=8, n_head=2, ffn_hidden=16, vocab_size=16, n_experts=4, top_k=2,
+                     capacity_factor=1.0)
+
+
+def test_expert_parallelism_shards_the_experts_and_sends_two_all_to_alls_each_way():
+    dense = count_parameters(TOY.config(1))
+    expert = 3 * 8 * 16
+    assert TOY_MOE.n_params == dense + 4 * (3 * expert + 8 * 4)  # 3 more experts and a router per layer
+    assert TOY_MOE.active_params == dense + 4 * (1 * expert + 8 * 4)  # top-2: one more expert per token
+    one = plan(TOY_MOE, Layout(dp=8, tp=1, pp=1), TOY_CLUSTER, seq_len=4, global_batch=16)
+    four = plan(TOY_MOE, Layout(dp=8, tp=1, pp=1, ep=4), TOY_CLUSTER, seq_len=4, global_batch=16)
+    assert stage_expert_params(TOY_MOE, 1, 4) == 4 * 1 * expert and stage_expert_params(TOY, 1, 4) == 0
+    assert four.params_per_gpu == one.params_per_gpu - 4 * 3 * expert  # 1 expert per layer instead of 4
+    states = zero_memory_per_gpu(four.params_per_gpu - 4 * expert, 8, 1)
+    experts = zero_memory_per_gpu(4 * expert, 2, 1)  # each expert replicated over dp / ep = 2 GPUs
+    assert four.model_states.total == states.total + experts.total
+    # 4 layers x 2 micro-batches x 4 all-to-alls x (1.0 x 2 x 1 x 4 x 8) values x 2 bytes x 3/4
+    assert four.traffic["ep"] == ep_bytes_per_gpu(TOY_MOE, 4, 2, 1, 4, 1, 4) == 4 * 2 * 4 * 64 * 2 * 3 / 4
+    assert one.traffic["ep"] == 0 and four.traffic["dp"] < one.traffic["dp"]
+    assert four.seconds["ep"] == four.traffic["ep"] / 100  # ranks 0-3: one node
+    flops = (6 * TOY_MOE.active_params + 12 * 4 * 8 * 4) * 16 * 4
+    assert math.isclose(four.mfu, flops / (four.seconds["step"] * 8 * 1e9))
+    with pytest.raises(ValueError, match=r"ep \(2\) splits experts, and toy has none"):
+        plan(TOY, Layout(dp=8, tp=1, pp=1, ep=2), TOY_CLUSTER, seq_len=4, global_batch=16)
+    with pytest.raises(ValueError, match=r"ep \(3\) must divide n_experts \(4\)"):
+        plan(TOY_MOE, Layout(dp=8, tp=1, pp=1, ep=3), TOY_CLUSTER, seq_len=4, global_batch=16)
 
 
 def test_tp_across_nodes_is_flagged_and_slow():
@@ -163,6 +193,12 @@ def test_invalid_layouts(layout, message):
 def test_unknown_recompute():
     with pytest.raises(ValueError, match="recompute must be one of"):
         sp_bytes(4, 1, 8, 2, recompute="some")
+
+
+def test_command_line_plans_a_mixture_of_experts(capsys):
+    scale_planner.main(["--model", "8x7B", "--ep", "1", "8", "--fits-only"])
+    out = capsys.readouterr().out
+    assert "8x7B:" in out and "best estimate: tp=" in out and " ep=8 " in out
 
 
 def test_command_line(capsys):

@@ -57,6 +57,8 @@ def test_the_sequence_parallel_block_equals_one_process(tmp_path, t):
             assert {c["numel"] for c in r["calls"]} == {r["bsh"]}
         for name, whole in reference["norm_saved_bytes"].items():
             assert r["norm_saved_bytes"][name] * t == whole > 0
+            assert r["norm_saved_bytes"][name] == r["norm_formula_bytes"][name]  # memory.activations.layer_terms
+            assert reference["norm_formula_bytes"][name] == whole
 
 
 def test_tensor_parallel_regions_are_not_sequence_parallel(tmp_path):

@@ -27,7 +27,13 @@ batch_size * dp; rank 0 writes metrics, every rank logs to <log_dir>/rank_<r>/tr
 torch.distributed.checkpoint folder every rank writes its shards into (course_lib.checkpoint.distributed).
 
 Resuming restores model, optimizer, scheduler, GradScaler, every RNG and the data position, so the
-continued run's losses equal an uninterrupted run's bit for bit (same device, threads and torch version).
+continued run's losses equal an uninterrupted run's bit for bit (same device, threads and torch version). A file
+checkpoint resumes on another number of ranks too: the global batch stays, each replica takes its share.
+
+On a cluster: SIGTERM or SIGUSR1 (Slurm's warning before the time limit, `#SBATCH --signal=USR1@120`) ends the run
+after the current step with a checkpoint there, requeues a Slurm job (`scontrol requeue`) and exits 0; --timeout_s
+sets the collective timeout (default 10 minutes with NCCL); relative out_dir, log_dir and data_dir go under
+$COURSE_OUTPUT_ROOT when it is set (a scratch file system).
 """
 
 from __future__ import annotations
@@ -36,8 +42,12 @@ import argparse
 import math
 import os
 import random
+import signal
 import statistics
+import subprocess
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -69,7 +79,7 @@ from course_lib.core.steps import train_step
 from course_lib.parallel.layout import DDP_IMPLEMENTATIONS, ZERO_STAGES, Layout, build_mesh
 from course_lib.parallel.compose import parallelize
 from course_lib.pipeline_parallel.schedules import SCHEDULES
-from course_lib.runtime.env import cleanup, init_distributed, setup_rank_logging
+from course_lib.runtime.env import LaunchEnvironmentError, cleanup, init_distributed, setup_rank_logging
 from course_lib.sharding import fsdp
 from course_lib.sharding.fsdp import mixed_precision_policy, precision_of
 
@@ -170,6 +180,8 @@ class TrainConfig:
     """Micro-batches each pipeline step splits a replica's batch_size * grad_accum_steps rows into; None: pp."""
     log_dir: str = "logs"
     """Distributed runs: every rank writes its log lines to <log_dir>/rank_<r>/train.log."""
+    timeout_s: float | None = None
+    """Seconds a collective may wait for the other ranks before the run fails; None: 600 with NCCL, 60 on gloo."""
 
     def __post_init__(self):
         if self.min_lr is None:
@@ -187,6 +199,8 @@ class TrainConfig:
             (("warmup_steps", "stop_at_step"), f"<= max_steps ({self.max_steps})",
              lambda v: v is None or v <= self.max_steps),
             (("lr",), "positive", lambda v: v > 0),
+            (("timeout_s",), "None or a positive number of seconds",
+             lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0)),
             (("min_lr",), f"between 0 and lr ({self.lr})", lambda v: 0 <= v <= self.lr),
             (("weight_decay", "grad_clip"), ">= 0", lambda v: v >= 0),
             (("model_size",), f"one of {sorted(PRESETS)} (or set config_path)",
@@ -231,6 +245,68 @@ class TrainConfig:
                                 micro_batches=self.micro_batches)
 
 
+OUTPUT_ROOT_VARIABLE = "COURSE_OUTPUT_ROOT"
+"""Where relative out_dir, log_dir and data_dir live when set (a cluster's scratch file system, e.g.
+COURSE_OUTPUT_ROOT=$SCRATCH/course); unset: relative to the working folder."""
+
+
+def output_path(path: str | os.PathLike) -> Path:
+    """`path` under $COURSE_OUTPUT_ROOT when that is set and `path` is relative; `path` itself otherwise."""
+    root = os.environ.get(OUTPUT_ROOT_VARIABLE)
+    path = Path(path).expanduser()
+    return Path(root).expanduser() / path if root and not path.is_absolute() else path
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+"""What a scheduler sends before it ends a job: Slurm sends SIGTERM (scancel, preemption, the time limit) and,
+with `#SBATCH --signal=USR1@120`, SIGUSR1 two minutes before the time limit."""
+
+
+class StopRequest:
+    """A signal handler that asks the training loop to stop after its current step (checkpointing there).
+
+    A second signal of the same kind stops the process at once, the signal's usual effect."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __call__(self, signum, frame) -> None:
+        if self.signum == signum:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # Python runs handlers in the main thread only
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    @property
+    def name(self) -> str | None:
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+
+def requeue_slurm_job() -> str:
+    """`scontrol requeue $SLURM_JOB_ID`: the job goes back into the queue and, started again, resumes with
+    --resume auto. Returns what happened, for the log."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return "not a Slurm job (no SLURM_JOB_ID): nothing requeued"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"scontrol requeue {job} failed: {err}"
+    if done.returncode != 0:
+        return f"scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}"
+    return f"Slurm job {job} requeued (scontrol requeue)"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -250,7 +326,8 @@ def load_splits(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = synthetic_tokens(SYNTHETIC_NUM_TOKENS, seed=0)  # fixed data; cfg.seed varies init and order
         split = int(0.9 * len(tokens))
         return tokens[:split], tokens[split:]
-    return load_tokens("train", cfg.data_dir), load_tokens("val", cfg.data_dir)
+    data_dir = output_path(cfg.data_dir)
+    return load_tokens("train", data_dir), load_tokens("val", data_dir)
 
 
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "max_steps")
@@ -274,7 +351,7 @@ def continue_schedule(cfg: TrainConfig, optimizer, scheduler, saved: dict) -> li
 def check_splits(cfg: TrainConfig, config: GPTConfig, splits: dict[str, torch.Tensor]) -> None:
     """Every split holds at least one window of block_size tokens, and no token id beyond the vocabulary."""
     for split, tokens in splits.items():
-        where = "the synthetic dataset" if cfg.dataset == "synthetic" else str(Path(cfg.data_dir) / f"{split}.bin")
+        where = "the synthetic dataset" if cfg.dataset == "synthetic" else str(output_path(cfg.data_dir) / f"{split}.bin")
         if len(tokens) < config.block_size:
             raise ValueError(f"block_size={config.block_size} does not fit the {split} split: {where} holds "
                              f"{len(tokens):,} tokens; use a smaller --block_size or more data")
@@ -282,6 +359,33 @@ def check_splits(cfg: TrainConfig, config: GPTConfig, splits: dict[str, torch.Te
         if top >= config.vocab_size:
             raise ValueError(f"vocab_size={config.vocab_size} is too small for {where}: it holds token id {top} "
                              f"(the byte tokenizer has 256 ids); set vocab_size to at least {top + 1}")
+
+
+def rows_on_resume(cfg: TrainConfig, dp: int, saved_global: int | None, saved_flag: int | None, path,
+                   say=None) -> int:
+    """Rows per replica of a resumed run: --batch_size, unless the checkpoint's run had another number of replicas.
+
+    Then the global batch stays what it was (the same data, the same steps, the same learning-rate schedule) and
+    each of the dp replicas takes its share of it: 8 rows from 2 ranks x 4 continue as 4 ranks x 2. A changed
+    --batch_size is refused (it would change the run, not only where it runs).
+    """
+    if saved_global is None or saved_global == cfg.batch_size * dp:
+        return cfg.batch_size
+    if saved_flag != cfg.batch_size:
+        raise ValueError(f"{path} was written by a run with a global batch of {saved_global} rows (--batch_size "
+                         f"per replica x replicas); this run has --batch_size {cfg.batch_size} x {dp} replica(s) = "
+                         f"{cfg.batch_size * dp}: resume with the same global batch"
+                         + (f" (--batch_size {saved_flag}; on another number of ranks each replica then takes its "
+                            "share of it)" if saved_flag else ""))
+    if saved_global % dp:
+        raise ValueError(f"{path} holds a global batch of {saved_global} rows, which {dp} replicas cannot share "
+                         f"equally: resume on a number of data-parallel replicas that divides {saved_global}")
+    rows = saved_global // dp
+    if say:
+        say(f"note: {path} was written with a global batch of {saved_global} rows; on {dp} replica(s) each now takes "
+            f"{rows} rows (--batch_size {cfg.batch_size} was per replica on the earlier ranks), so the global batch, "
+            "the data order and the schedule stay as they were")
+    return rows
 
 
 @dataclass(frozen=True)
@@ -322,15 +426,19 @@ class Checkpoints:
         return load(path, model=par.model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run (or continue) training; returns history, evals, model and paths (see the end of the function)."""
+def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
+    """Run (or continue) training; returns history, evals, model and paths (see the end of the function).
+
+    stop: a StopRequest whose signal ends the run after the current step, with a checkpoint there (result
+    "stopped_by" names the signal); None: signals keep their usual effect."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     rank, world_size, rank_log = 0, 1, None
     if cfg.distributed:
-        info = init_distributed(device="auto" if cfg.device in ("auto", "mps") else cfg.device.split(":")[0])
+        info = init_distributed(device="auto" if cfg.device in ("auto", "mps") else cfg.device.split(":")[0],
+                                timeout_s=cfg.timeout_s)
         rank, world_size, device = info.rank, info.world_size, info.device
-        rank_log = setup_rank_logging(cfg.log_dir, console=False)  # the console has rank 0's bar
+        rank_log = setup_rank_logging(output_path(cfg.log_dir), console=False)  # the console has rank 0's bar
     else:
         device = select_device(cfg.device)
     layout = cfg.layout(world_size)
@@ -339,7 +447,7 @@ def train(cfg: TrainConfig) -> dict:
     if layout.pp > 1 and amp_dtype is not None:
         raise ValueError(f"TrainConfig.precision={cfg.precision!r} means autocast to {amp_dtype} on {device.type}, "
                          "but the pipeline stages pass fp32 activations: use --precision fp32 with --pp")
-    out_dir = Path(cfg.out_dir)
+    out_dir = output_path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
         remove_partial_files(out_dir)
@@ -360,33 +468,34 @@ def train(cfg: TrainConfig) -> dict:
     checkpoints = Checkpoints.of(layout)
     train_tokens, val_tokens = load_splits(cfg)
     check_splits(cfg, config, {"train": train_tokens, "val": val_tokens})  # before step 1, not at the first eval
-    # Every rank draws the same global batch; each replica keeps its own rows: disjoint data, one process's order.
-    batches = RandomBatches(train_tokens, cfg.batch_size * layout.dp, config.block_size, seed=cfg.seed)
-    my_rows = slice(par.dp_rank * cfg.batch_size, (par.dp_rank + 1) * cfg.batch_size)
+    rows = cfg.batch_size  # rows of a micro-batch on each replica
     start_step, resume_from = 0, checkpoints.resolve(cfg.resume, out_dir)
     if resume_from is not None:
         ckpt = checkpoints.load(resume_from, par, layout=layout, optimizer=optimizer, scheduler=scheduler,
                                 scaler=scaler)
-        saved_rows = (ckpt["data_state"] or {}).get("batch_size")
-        if saved_rows is not None and saved_rows != batches.batch_size:
-            raise ValueError(f"{resume_from} was written by a run with a global batch of {saved_rows} rows (--batch_size "
-                             f"per replica x replicas); this run has --batch_size {cfg.batch_size} x {layout.dp} "
-                             f"replica(s) = {batches.batch_size}: resume with the same global batch")
-        batches.load_state_dict(ckpt["data_state"])
+        saved_config = (ckpt.get("extra") or {}).get("train_config") or {}
+        rows = rows_on_resume(cfg, layout.dp, (ckpt["data_state"] or {}).get("batch_size"),
+                              saved_config.get("batch_size"), resume_from, say=tqdm.write if is_main else None)
         start_step = ckpt["step"]
-        changes = continue_schedule(cfg, optimizer, scheduler, (ckpt.get("extra") or {}).get("train_config") or {})
+        changes = continue_schedule(cfg, optimizer, scheduler, saved_config)
         if changes and is_main:
             tqdm.write(f"note: resuming {resume_from} at step {start_step} with {', '.join(changes)}: applied from "
                        f"step {start_step + 1} on (lr now {optimizer.param_groups[0]['lr']:.3g})")
     elif is_main and (moved := move_earlier_run(out_dir)):  # else --resume would later pick up the old run's latest.pt
         tqdm.write(f"note: fresh run in {out_dir}: the earlier run's checkpoints and metrics were moved to {moved} "
                    "(use --resume to continue a run instead)")
+    # Every rank draws the same global batch; each replica keeps its own rows: disjoint data, one process's order.
+    batches = RandomBatches(train_tokens, rows * layout.dp, config.block_size, seed=cfg.seed)
+    if resume_from is not None:
+        batches.load_state_dict(ckpt["data_state"])
+    my_rows = slice(par.dp_rank * rows, (par.dp_rank + 1) * rows)
     last_step = cfg.stop_at_step or cfg.max_steps
     if world_size > 1:
         dist.barrier()  # rank 0 has cleared or checked out_dir before anyone writes
-    tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * config.block_size * layout.dp
+    tokens_per_step = rows * cfg.grad_accum_steps * config.block_size * layout.dp
     train_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-    history, evals, ckpt_path = [], [], None
+    train_config["rows_per_replica"] = rows  # --batch_size, or its share of a resumed run's global batch
+    history, evals, ckpt_path, stopped_by = [], [], None, None
     logger = MetricsLogger(out_dir, tensorboard=cfg.tensorboard,
                            resume_step=start_step if resume_from else None) if is_main else None
     bar = tqdm(total=last_step, initial=start_step, desc="train", unit="step", disable=not cfg.progress or not is_main,
@@ -405,11 +514,14 @@ def train(cfg: TrainConfig) -> dict:
             micro_batches = [next(batches)[my_rows].to(device) for _ in range(cfg.grad_accum_steps)]
             stats = train_step(par, micro_batches, optimizer, scheduler, scaler=scaler, grad_clip=cfg.grad_clip,
                                amp_dtype=amp_dtype)
+            stop_asked = float(stop is not None and stop.signum is not None)  # a signal has arrived here
             if world_size > 1:  # the replicas saw different rows: report the mean loss of the global batch
                 stats["local_loss"] = stats["loss"]
-                loss = torch.tensor([stats["loss"]], dtype=torch.float64, device=device)
+                # the same all-reduce tells every rank whether any rank was asked to stop: they stop together
+                loss = torch.tensor([stats["loss"], stop_asked], dtype=torch.float64, device=device)
                 dist.all_reduce(loss)  # the ranks of one replica hold its loss once each: the mean is the same
-                stats["loss"] = loss.item() / world_size
+                total_loss, stop_asked = loss.tolist()
+                stats["loss"] = total_loss / world_size
             elapsed = time.perf_counter() - start  # .item() in train_step waited for the device
             if not math.isfinite(stats["loss"]) and scaler is None:
                 raise FloatingPointError(f"loss is {stats['loss']} at step {step}: training diverged; lower lr "
@@ -431,7 +543,7 @@ def train(cfg: TrainConfig) -> dict:
             checkpoint_due = (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == last_step
             if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == last_step:
                 try:
-                    val_loss = par.evaluate(val_tokens, batch_size=cfg.batch_size * layout.dp,
+                    val_loss = par.evaluate(val_tokens, batch_size=rows * layout.dp,
                                             block_size=config.block_size, max_batches=cfg.eval_batches,
                                             amp_dtype=amp_dtype)
                 except Exception:
@@ -449,6 +561,15 @@ def train(cfg: TrainConfig) -> dict:
                 ckpt_path = save(step, evals[-1]["val_loss"] if evals else None) or ckpt_path
                 if world_size > 1:
                     dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
+            if stop_asked:
+                if not checkpoint_due:
+                    ckpt_path = save(step, evals[-1]["val_loss"] if evals else None) or ckpt_path
+                    if world_size > 1:
+                        dist.barrier()
+                stopped_by = (stop.name if stop and stop.name else "a signal to another rank")
+                if rank_log:
+                    rank_log.info(f"step {step} | stopped by {stopped_by}: checkpoint written")
+                break
     finally:
         bar.close()
         if logger:
@@ -461,7 +582,7 @@ def train(cfg: TrainConfig) -> dict:
         "final_val_loss": evals[-1]["val_loss"] if evals else None, "device": str(device),
         "median_tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
         "out_dir": out_dir, "checkpoint": ckpt_path, "metrics_path": logger.path if logger else None,
-        "rank": rank, "world_size": world_size,
+        "rank": rank, "world_size": world_size, "stopped_by": stopped_by,
     }
 
 
@@ -483,11 +604,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
 
 
-INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, LaunchEnvironmentError)
 """What bad input raises (a config field, a data file, a checkpoint that does not fit): one clear line on the CLI."""
 
 
-def main(argv=None) -> dict:
+def main(argv=None, *, stop_on_signals: bool = True) -> dict:
+    """The CLI. stop_on_signals: SIGTERM and SIGUSR1 end the run after the current step with a checkpoint there,
+    then exit 0 (in a Slurm job, after `scontrol requeue`); run_cli leaves them to its launcher."""
     parser = build_parser()
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an input error")
     args = parser.parse_args(argv)
@@ -498,7 +621,8 @@ def main(argv=None) -> dict:
         parser.error(str(err))
     owns_group = cfg.distributed and not dist.is_initialized()  # a launcher's group outlives this run
     try:
-        result = train(cfg)
+        with StopRequest() if stop_on_signals else nullcontext() as stop:
+            result = train(cfg, stop)
     except INPUT_ERRORS as err:
         if debug:
             raise
@@ -516,6 +640,9 @@ def main(argv=None) -> dict:
     if result["median_tokens_per_s"]:
         print(f"median {result['median_tokens_per_s']:,.0f} tokens/s ({torch.get_num_threads()} threads)")
     print(f"checkpoint: {result['checkpoint']}; metrics: {result['metrics_path']}")
+    if result["stopped_by"]:
+        print(f"stopped by {result['stopped_by']} after step {result['final_step']} of {cfg.max_steps}; "
+              f"{requeue_slurm_job()}; continue with --resume (or --resume auto)", flush=True)
     return result
 
 
@@ -525,7 +652,7 @@ def run_cli(argv: list[str]) -> dict:
 
         launch(run_cli, 8, args=(["--dp", "2", "--tp", "2", "--pp", "2", "--max_steps", "20"],))
     """
-    result = main(argv)
+    result = main(argv, stop_on_signals=False)  # SIGUSR1 is the launcher's "where are you?" (a stack dump)
     return {"history": result["history"], "evals": result["evals"], "start_step": result["start_step"],
             "final_step": result["final_step"], "layout": result["layout"].name(), "rank": result["rank"],
             "checkpoint": None if result["checkpoint"] is None else str(result["checkpoint"])}

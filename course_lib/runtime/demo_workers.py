@@ -41,6 +41,14 @@ def environment(names) -> dict:
     return {"env": {name: os.environ.get(name) for name in names}, "cwd": os.getcwd()}
 
 
+def say(text: str, seconds: float = 0.0) -> str:
+    """Print `text` (to this rank's log), wait `seconds`, meet the other ranks at a barrier; returns text."""
+    print(text, flush=True)
+    time.sleep(seconds)
+    dist.barrier()
+    return text
+
+
 def allreduce_demo() -> dict:
     """Each rank contributes rank + 1; after all_reduce(SUM) every rank holds 1 + 2 + ... + world_size."""
     info = get_dist_info()

@@ -28,6 +28,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
+"""Collective timeout of CPU (gloo) groups: a laptop's hung collective fails within a minute."""
+NCCL_TIMEOUT_S = 600.0
+"""Collective timeout of groups with NCCL: a cluster's first collective may wait for slow nodes, loading or
+compilation on other ranks (torch's own default for NCCL is 10 minutes as well)."""
 LOG_FORMAT = "%(asctime)s [rank {rank}/{world_size}] %(levelname)s %(message)s"
 
 
@@ -53,16 +57,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LaunchEnvironmentError(RuntimeError):
+    """A variable a launcher sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) is missing or wrong: bad input,
+    which the training CLI reports in one line with exit code 2, like a bad flag."""
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None:
         if default is None:
-            raise RuntimeError(f"environment variable {name} is not set (a launcher such as torchrun sets it)")
+            raise LaunchEnvironmentError(f"environment variable {name} is not set (a launcher such as torchrun sets it)")
         return default
     try:
         return int(value)
     except ValueError:
-        raise RuntimeError(f"environment variable {name} must be an integer, got {value!r}") from None
+        raise LaunchEnvironmentError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
@@ -108,7 +117,7 @@ def rank_device(local_rank: int, device: str = "auto", local_world_size: int | N
 def check_one_gpu_per_rank(backend: str, local_world_size: int) -> None:
     """NCCL needs a GPU of its own for each rank: say so before NCCL fails with a message about duplicate GPUs."""
     if backend_uses_cuda(backend) and torch.cuda.is_available() and local_world_size > torch.cuda.device_count():
-        raise RuntimeError(
+        raise LaunchEnvironmentError(
             f"{local_world_size} ranks on this node but {torch.cuda.device_count()} GPU(s): backend {backend!r} "
             f"(NCCL) needs one GPU per rank. Start at most {torch.cuda.device_count()} rank(s) per node, use "
             f"device='cpu' (--device cpu), or put the ranks on gloo with {BACKEND_VARIABLE}=gloo")
@@ -149,12 +158,13 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
-def init_distributed(backend: str | None = None, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+def init_distributed(backend: str | None = None, device: str = "auto", timeout_s: float | None = None,
                      store: dist.Store | None = None) -> DistInfo:
     """Join the process group described by the environment (or a 1-rank group when there is none).
 
     `store` lets a launcher that already runs a TCPStore hand it over; otherwise MASTER_ADDR and
-    MASTER_PORT (env://) are used, as under torchrun.
+    MASTER_PORT (env://) are used, as under torchrun. timeout_s: how long a collective may wait before it fails;
+    None: NCCL_TIMEOUT_S (10 minutes) with NCCL, DEFAULT_TIMEOUT_S (1 minute) on gloo alone.
     """
     if dist.is_initialized():
         return get_dist_info()
@@ -162,8 +172,11 @@ def init_distributed(backend: str | None = None, device: str = "auto", timeout_s
         exit_with_parent()
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
+    if world_size < 1:
+        raise LaunchEnvironmentError(f"environment variable WORLD_SIZE must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
-        raise RuntimeError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
+        raise LaunchEnvironmentError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size}): every rank "
+                                     "of a job needs its own RANK below WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     torch_device = rank_device(local_rank, device, local_world_size)
@@ -172,6 +185,10 @@ def init_distributed(backend: str | None = None, device: str = "auto", timeout_s
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     os.environ["COURSE_DEVICE"] = torch_device.type
+    if timeout_s is None:
+        timeout_s = NCCL_TIMEOUT_S if backend_uses_cuda(backend) else DEFAULT_TIMEOUT_S
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     timeout = timedelta(seconds=timeout_s)
     if store is not None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -181,10 +198,11 @@ def init_distributed(backend: str | None = None, device: str = "auto", timeout_s
     else:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in os.environ:
-                raise RuntimeError(f"environment variable {name} is not set; WORLD_SIZE={world_size} needs a "
-                                   "rendezvous address (torchrun or course_lib.runtime.launch sets it)")
+                raise LaunchEnvironmentError(
+                    f"environment variable {name} is not set; WORLD_SIZE={world_size} needs a rendezvous address "
+                    "(torchrun or course_lib.runtime.launch sets it)")
         if not 0 < _env_int("MASTER_PORT") < 65536:
-            raise RuntimeError(f"environment variable MASTER_PORT must be a port number (1-65535), got "
+            raise LaunchEnvironmentError(f"environment variable MASTER_PORT must be a port number (1-65535), got "
                                f"{os.environ['MASTER_PORT']!r}")
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     return get_dist_info()

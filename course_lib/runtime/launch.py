@@ -401,7 +401,9 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
     shapes, and reports the first mismatch instead of hanging).
     log_dir: where rank r writes <log_dir>/rank_<r>/train.log. None: a folder of this launch's own,
     logs/launches/<time>-<pid>-<n>/, so that launches running at the same time never mix their logs; when it
-    ends, each rank's log is also copied to logs/rank_<r>/train.log (the latest launch's).
+    ends, each rank's log is also copied to logs/rank_<r>/train.log (the latest launch's, all ranks from the same
+    launch). A log_dir that another launch is writing at the same moment is not shared: this launch writes to
+    <log_dir>/concurrent/<time>-<pid>-<n>/ and says so.
     Raises RankFailure naming the rank that failed first.
 
     In a script, call it under `if __name__ == "__main__":`: spawned ranks import the script again.
@@ -425,10 +427,12 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
     # Forked ranks must be forked before the store's server thread exists (a lock it holds would stay locked
     # in the child forever): they are started first and receive the port through their pipe.
     store = host_store() if method != "fork" else None
-    latest = None
+    latest, claim = None, None
     if log_dir is None:
         latest = Path(DEFAULT_LOG_DIR)
         log_dir = _launch_log_dir(latest)
+    else:
+        log_dir, claim = _claim_log_dir(Path(log_dir))
     options = dict(backend=backend, device=device, timeout_s=timeout_s, log_dir=str(log_dir), threads=threads,
                    echo=echo, parent_pid=os.getpid(), env={str(k): str(v) for k, v in (env or {}).items()},
                    environ=None)
@@ -459,6 +463,8 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
         for conn in conns:
             conn.close()
         del store
+        if claim is not None:
+            claim.close()  # releases the folder for the next launch
         if latest is not None:
             _publish_latest(log_dir, latest, world_size)
 
@@ -472,16 +478,54 @@ def _launch_log_dir(root: Path) -> Path:
     return root / "launches" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_LAUNCHES)}"
 
 
+def _locked(path: Path, blocking: bool):
+    """An open file holding an exclusive lock on `path` (fcntl.flock: released on close, or when the process
+    dies, so no lock outlives its launch), or None when another holder has it and blocking is False."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a")
+    try:
+        import fcntl  # POSIX: Linux and macOS
+    except ImportError:  # pragma: no cover - Windows has no flock; launches there share folders as before
+        return handle
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+def _claim_log_dir(log_dir: Path) -> tuple[Path, object]:
+    """(the folder this launch writes its rank logs to, the lock to close when it ends): log_dir itself, or, while
+    another launch is writing there, a folder of this launch's own inside it (never two launches in one file)."""
+    claim = _locked(log_dir / ".launch.lock", blocking=False)
+    if claim is not None:
+        return log_dir, claim
+    own = _launch_log_dir(log_dir / "concurrent")
+    print(f"note: another launch is writing its logs to {relative_paths(str(log_dir))} now; this launch's rank logs "
+          f"go to {relative_paths(str(own))}", flush=True)
+    return own, _locked(own / ".launch.lock", blocking=True)
+
+
 def _publish_latest(log_dir, latest: Path, world_size: int) -> None:
-    """Copy each rank's log of this launch to logs/rank_<r>/train.log (replaced atomically: the latest launch's)."""
-    for rank in range(world_size):
-        source = Path(log_dir) / f"rank_{rank}" / "train.log"
-        if source.is_file():
-            target = latest / f"rank_{rank}" / "train.log"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".train.log.{os.getpid()}.{threading.get_ident()}.tmp")  # per thread: launches may end together
-            tmp.write_bytes(source.read_bytes())
-            os.replace(tmp, target)
+    """Copy each rank's log of this launch to logs/rank_<r>/train.log, all of them under one lock, so that the
+    copies all come from one launch (the latest to end), and remove copies of ranks this launch did not have."""
+    lock = _locked(latest / ".latest.lock", blocking=True)
+    try:
+        for rank in range(world_size):
+            source = Path(log_dir) / f"rank_{rank}" / "train.log"
+            if source.is_file():
+                target = latest / f"rank_{rank}" / "train.log"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".train.log.{os.getpid()}.{threading.get_ident()}.tmp")
+                tmp.write_bytes(source.read_bytes())
+                os.replace(tmp, target)
+        for extra in latest.glob("rank_*/train.log"):  # a copy of an earlier, larger launch (kept in launches/)
+            if extra.parent.name[len("rank_"):].isdigit() and int(extra.parent.name[len("rank_"):]) >= world_size:
+                extra.unlink()
+        (latest / "latest_launch.txt").write_text(f"{Path(log_dir).name}\n")
+    finally:
+        lock.close()
 
 
 def run_each(calls):

@@ -184,12 +184,22 @@ def test_notebook_defined_worker_is_refused():
         launch(demo_workers.whoami, world_size=0)
 
 
-def test_two_launches_at_once_do_not_collide(tmp_path):
-    with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(launch, demo_workers.allreduce_demo, 2, log_dir=tmp_path / str(i), echo=False)
-                for i in range(2)]
+def test_two_launches_at_once_do_not_collide(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default log folder, logs/, is relative to the working folder
+    shared = tmp_path / "shared"
+    with ThreadPoolExecutor(4) as pool:  # two into one explicit folder, two into the default one
+        jobs = [pool.submit(launch, demo_workers.say, 2, args=(f"launch {i}", 1.0), echo=False,
+                            log_dir=shared if i < 2 else None) for i in range(4)]
         results = [job.result(timeout=120) for job in jobs]
-    assert [[r["after"] for r in res] for res in results] == [[3.0, 3.0], [3.0, 3.0]]
+    assert results == [[f"launch {i}"] * 2 for i in range(4)]
+    logs = {str(path.relative_to(shared)): path.read_text() for path in shared.rglob("rank_*/train.log")}
+    for i in range(2):  # neither launch into the shared folder lost its logs to the other
+        assert sum(f"launch {i}" in text for text in logs.values()) == 2, logs.keys()
+    latest = [(tmp_path / "logs" / f"rank_{r}" / "train.log").read_text() for r in range(2)]
+    winner = next(i for i in (2, 3) if f"launch {i}" in latest[0])
+    assert f"launch {winner}" in latest[1], "logs/rank_0 and logs/rank_1 must come from the same launch"
+    launched = (tmp_path / "logs" / "latest_launch.txt").read_text().strip()
+    assert f"launch {winner}" in (tmp_path / "logs" / "launches" / launched / "rank_1" / "train.log").read_text()
 
 
 def test_every_start_method_gives_the_same_results(tmp_path, monkeypatch):

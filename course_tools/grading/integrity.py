@@ -168,6 +168,10 @@ def _trusted_roots() -> tuple[str, ...]:
     return tuple(os.path.abspath(root) + os.sep for root in roots if root)
 
 
+_STARTS_A_PROCESS = {"spawn_main", "multiprocessing.forkserver"}
+"""Names the `-c` command of a multiprocessing spawn or fork-server child calls: its outermost frame is trusted."""
+
+
 def untrusted_caller() -> str | None:
     """The file of the innermost frame on the call stack whose code is not trusted, or None."""
     roots = _trusted_roots()
@@ -175,7 +179,10 @@ def untrusted_caller() -> str | None:
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith("<"):
-            trusted = filename.startswith("<frozen")  # the import system; <string> and the like are exec'd code
+            # the import system; and the `python -c` line that starts a spawned or fork-server process (the
+            # outermost frame of every rank on macOS); other <string> and the like are exec'd code
+            trusted = filename.startswith("<frozen") or (frame.f_back is None and filename == "<string>" and
+                                                         _STARTS_A_PROCESS & set(frame.f_code.co_names))
         else:
             path = os.path.abspath(filename)
             trusted = path in _TRUSTED_FILES or path.startswith(roots)
@@ -218,10 +225,23 @@ def guard_modules() -> int:
     return guarded
 
 
+def settle_torch() -> None:
+    """Import what torch imports lazily and that rebinds what the checks judge with: torch._dynamo, which torch
+    imports at the first optimizer a process builds, wraps torch.manual_seed and others as it loads. Loaded before
+    the snapshot, so that the learner's first optimizer is not taken for a replacement (and once per process:
+    about a second)."""
+    import torch
+    import torch._dynamo  # noqa: F401
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 @contextmanager
 def graded_rank(rank: int):
     """Around the worker of every rank a graded check launches: a snapshot, the guard, and the snapshot verified
-    once the worker returned (an IntegrityError fails the rank, and the launcher stops the others)."""
+    once the worker returned (an IntegrityError fails the rank, and the launcher stops the others). A rank
+    forked from the check has torch settled already; a spawned one (macOS) settles it here."""
+    settle_torch()
     snapshot = Snapshot.take()
     guard_modules()
     yield

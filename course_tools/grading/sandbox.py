@@ -10,9 +10,13 @@ change the kernel (an IPython AST transformer that wraps every later cell in try
 1. one sandbox process per notebook (`python -m course_tools.grading.sandbox`) runs the notebook's
    `parameters` and read-only setup cells, taken from the instructor's notebook, never the submission;
 2. for every exercise and submission it reads the learner's answer cells (audit.py refuses what is not an
-   answer, with the line and the reason) and forks a child: the child runs only that exercise's answer
+   answer, with the line and the reason) and starts a child: the child runs only that exercise's answer
    cells, then its test cell (visible and hidden tests) from the instructor's notebook, and exits 0 only if
-   every line ran. Nothing the child does reaches its parent, the other exercises or the other learners;
+   every line ran. Nothing the child does reaches its parent, the other exercises or the other learners.
+   On Linux the child is forked from the sandbox, which has run the setup cells already; on macOS, where a
+   process that has imported torch (and with it Apple's frameworks) must not fork, the child is a fresh
+   interpreter that runs the setup cells itself (`start_method()`: COURSE_LAUNCH_START_METHOD=spawn forces that
+   path on Linux, as the tests do);
 3. the verdict is the child's exit status, read by the sandbox; output and traceback come back as text.
 
 So each exercise is graded on its own (a mistake costs only its points), and the imports of the setup
@@ -36,7 +40,7 @@ from pathlib import Path
 
 from course_tools.grading.audit import audit
 from course_tools.grading.exercises import read_exercises
-from course_tools.grading.integrity import RANK_CONTEXT, Snapshot, guard_modules, trust
+from course_tools.grading.integrity import RANK_CONTEXT, Snapshot, guard_modules, settle_torch, trust
 
 DEFAULT_TIMEOUT_S = 150.0
 OUTPUT_LIMIT = 20_000  # characters of a check's output kept (the end, where the failure is)
@@ -60,12 +64,24 @@ Results = dict[str, dict[str, CheckResult]]
 
 # ------------------------------------------------------------------ caller's side
 
+def start_method() -> str:
+    """How the sandbox starts a check's process, and the check its ranks: "fork" on Linux (a check forks from the
+    sandbox that ran the setup cells, its ranks from the check), "spawn" elsewhere (macOS: a fresh interpreter per
+    check and per rank). The launcher's variable, COURSE_LAUNCH_START_METHOD, sets both: "spawn" or "forkserver"
+    gives every check a fresh interpreter."""
+    from course_lib.runtime.launch import START_METHOD_VARIABLE  # here: nbgrader imports this module for every command
+
+    return os.environ.get(START_METHOD_VARIABLE) or ("fork" if sys.platform.startswith("linux") else "spawn")
+
+
 def grade(source: Path | str, submissions: dict[str, dict[str, str]], *,
-          only: list[str] | dict[str, list[str]] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Results:
+          only: list[str] | dict[str, list[str]] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+          method: str | None = None) -> Results:
     """Grade every submission ({student: {answer cell id: code}}) against the instructor notebook `source`.
 
     only: the test cell ids to grade, for every student (a list) or per student ({student: [test id, ...]});
-    default: all of them. Returns {student: {test cell id: CheckResult}}.
+    default: all of them. method: how checks and their ranks start, "fork" or "spawn" (default: start_method()).
+    Returns {student: {test cell id: CheckResult}}.
     """
     notebook = read_exercises(source)
     known = {e.test_id for e in notebook.exercises}
@@ -90,12 +106,12 @@ def grade(source: Path | str, submissions: dict[str, dict[str, str]], *,
         return results
     job = {"context": list(notebook.context), "checks": checks}
     env = dict(os.environ)
-    from course_lib.runtime.launch import START_METHOD_VARIABLE  # here: nbgrader imports this module for every command
+    from course_lib.runtime.launch import START_METHOD_VARIABLE
 
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny tensors; and fork is safe only before a thread pool starts
-    # Checks launch ranks from a child that has imported torch already: forking them skips a fresh interpreter
-    # and a torch import per rank (course_lib.runtime.launch.START_METHOD_VARIABLE).
-    env.setdefault(START_METHOD_VARIABLE, "fork")
+    # On Linux checks launch ranks from a child that has imported torch already: forking them skips a fresh
+    # interpreter and a torch import per rank. On macOS, spawn (see start_method).
+    env[START_METHOD_VARIABLE] = method or start_method()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                      env.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory(prefix="grading-") as scratch:
@@ -132,6 +148,8 @@ class _Sandbox:
         self.context_error = ""
         self.files = 0
         self.setup_files: list[str] = []
+        self.fork = start_method() == "fork"
+        self.checks_started = 0
 
     def source_file(self, code: str, label: str) -> str:
         """Write code to a file, so tracebacks quote it and inspect.getsource (spawnable) can read it back."""
@@ -173,10 +191,24 @@ class _Sandbox:
         out_path, err_path = self.folder / "out.txt", self.folder / "err.txt"
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            self.run_child(check, out_path, err_path)
-        status = self.wait(pid, check["timeout_s"])
+        child = None
+        if self.fork:
+            pid = os.fork()
+            if pid == 0:  # the child: never returns
+                self.run_child(check, out_path, err_path)
+        else:  # a fresh interpreter, which runs the setup cells itself, then the same run_child
+            for path in (out_path, err_path):
+                path.unlink(missing_ok=True)
+            self.checks_started += 1
+            folder = self.folder / f"check_{self.checks_started:03d}"
+            folder.mkdir()
+            (folder / "check.json").write_text(json.dumps({"context": self.job["context"], "check": check,
+                                                           "out": str(out_path), "err": str(err_path)}))
+            child = subprocess.Popen([sys.executable, "-m", "course_tools.grading.sandbox", "--check",
+                                      str(folder / "check.json")], start_new_session=True,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            pid = child.pid
+        status = self.wait(pid, check["timeout_s"], child)
         output = out_path.read_text(errors="replace") if out_path.exists() else ""
         error = err_path.read_text(errors="replace") if err_path.exists() else ""
         if status is None:
@@ -191,8 +223,9 @@ class _Sandbox:
     def run_child(self, check: dict, out_path: Path, err_path: Path) -> None:
         code = 1
         try:
-            os.setpgid(0, 0)  # its own process group: a timeout kills it and every rank it started
-            os.close(self.report_fd)
+            if self.report_fd is not None:  # forked: its own process group (a spawned check has its own session)
+                os.setpgid(0, 0)  # a timeout kills it and every rank it started
+                os.close(self.report_fd)
             for fd, path in ((1, out_path), (2, err_path)):
                 handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.dup2(handle, fd)
@@ -224,10 +257,18 @@ class _Sandbox:
                 os._exit(code)
 
     @staticmethod
-    def wait(pid: int, timeout_s: float):
+    def wait(pid: int, timeout_s: float, child: subprocess.Popen | None = None):
+        """The child's wait status (os.waitpid's), or None when it ran past timeout_s and was killed with every
+        process of its group. A Popen child is waited for through its object (which would otherwise reap it)."""
+        def poll():
+            if child is None:
+                return os.waitpid(pid, os.WNOHANG)
+            code = child.poll()
+            return (0, 0) if code is None else (pid, -code if code < 0 else code << 8)
+
         deadline = time.monotonic() + timeout_s
         while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status = poll()
             if done:
                 return status
             if time.monotonic() > deadline:
@@ -236,7 +277,7 @@ class _Sandbox:
                         target()
                     except ProcessLookupError:
                         pass
-                os.waitpid(pid, 0)
+                child.wait() if child is not None else os.waitpid(pid, 0)
                 return None
             time.sleep(0.02)
 
@@ -244,14 +285,29 @@ class _Sandbox:
 def warm_up() -> None:
     """Import, once in the sandbox, what nearly every check would import on its own after the fork: torch, and
     torch._dynamo, which torch imports at the first optimizer a process builds (about a second each time, in
-    every check and in every rank a check forks)."""
-    import torch
-    import torch._dynamo  # noqa: F401
+    every check and in every rank a check forks; integrity.settle_torch)."""
+    settle_torch()
 
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+def check_main(path: str) -> None:
+    """A check in a fresh interpreter (the spawn path): the setup cells up to the exercise, then run_child."""
+    payload = json.loads(Path(path).read_text())
+    check = payload["check"]
+    warm_up()  # before the snapshot, as in the sandbox the fork path starts from
+    log = os.open(Path(path).parent / "setup.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    os.dup2(log, 1)
+    os.close(log)
+    sandbox = _Sandbox({"context": payload["context"]}, None, Path(path).parent)
+    sandbox.run_context(check["context_upto"])
+    if sandbox.context_error:  # the sandbox ran the same cells without error: say what differs here
+        Path(payload["err"]).write_text(sandbox.context_error)
+        os._exit(1)
+    sandbox.run_child(check, Path(payload["out"]), Path(payload["err"]))
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--check"]:
+        check_main(sys.argv[2])
     job = json.loads(sys.stdin.read())
     warm_up()
     report_fd = os.dup(1)  # results go here; the cells' own prints go to a log nobody reads

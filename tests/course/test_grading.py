@@ -2505,7 +2505,16 @@ def test_untouched_release_scores_zero_on_every_graded_cell(checked, graded, not
     assert {cell: score for cell, (score, _) in got.items() if score != 0} == {}
 
 
-@pytest.mark.parametrize("notebook", NBGRADED, ids=str)
+def test_the_macos_start_path_grades_a_multi_rank_exercise():
+    """On macOS nothing that has imported torch forks: each check is a fresh interpreter that runs the setup cells,
+    and its ranks are spawned (course_tools.grading.sandbox.start_method). Forced here on Linux: the solution of a
+    check whose worker patches a collective on every rank passes, as on the fork path (the small notebook of
+    tests/grading/test_sandbox.py shows a wrong answer failing on this path)."""
+    test_id = "ddp1_overlap_tests"
+    results = grade(DDP_EXERCISES.source, {"solutions": solution_code(DDP_EXERCISES)}, only=[test_id], method="spawn")
+    assert results["solutions"][test_id].passed, results["solutions"][test_id].error[-2000:]
+
+
 def test_mixed_submission_loses_exactly_the_mutated_exercises(graded, notebook):
     grades, expected, student = graded[str(notebook)], points(notebook.source), "mixed"
     mutated = grades.mutated[student]

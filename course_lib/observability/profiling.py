@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -45,9 +46,64 @@ CATEGORIES = ("matmul", "attention", "optimizer", "communication", "other operat
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 MATMUL_CEILING_N = 2048
 """Side of the square fp32 matmul whose FLOP/s is the CPU ceiling (as in scripts/bench.py)."""
-GPU_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L40": 181.0,
-                   "L4": 121.0, "A10": 125.0, "V100": 125.0}
-"""Dense bf16 (V100: fp16) tensor-core peak in TFLOP/s by GPU name; the first name found in the device's wins."""
+
+
+@dataclass(frozen=True)
+class GpuPeak:
+    """One GPU model's dense tensor-core peak (without 2:4 sparsity), as its datasheet gives it."""
+
+    part: str
+    tflops: float
+    names: tuple[str, ...]
+    """Regular expressions, each matched against the whole of a torch.cuda.get_device_name() answer, case ignored,
+    after its "NVIDIA " or "Tesla " prefix: exact names, so that no part takes another part's figure."""
+    source: str
+    """The datasheet the figure comes from (datasheets quote sparse figures: the dense one is half)."""
+    dtype: str = "bf16"
+
+
+_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (BF16 Tensor Core 312 TFLOPS, 624 with sparsity), "
+         "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+         "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+_H100 = ("NVIDIA H100 Tensor Core GPU datasheet, "
+         "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet")
+_H200 = "NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/"
+_GPU_PEAKS = (
+    GpuPeak("A100 SXM4", 312.0, (r"A100-SXM4?-(40|80)GB",), _A100),
+    GpuPeak("A100 PCIe", 312.0, (r"A100-PCIE-(40|80)GB", r"A100 (40|80)GB PCIe"), _A100),
+    GpuPeak("H100 SXM5", 989.0, (r"H100 80GB HBM3", r"H100 SXM5 80GB"),
+            _H100 + " (H100 SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity)"),
+    GpuPeak("H100 PCIe", 756.0, (r"H100 PCIe", r"H100 80GB PCIe"),
+            _H100 + " (H100 PCIe: BF16 Tensor Core 1,513 TFLOPS with sparsity)"),
+    GpuPeak("H100 NVL", 835.0, (r"H100 NVL",), _H100 + " (H100 NVL: BF16 Tensor Core 1,671 TFLOPS with sparsity)"),
+    GpuPeak("H200 SXM", 989.0, (r"H200",), _H200 + " (H200 SXM: BF16 Tensor Core 1,979 TFLOPS with sparsity)"),
+    GpuPeak("H200 NVL", 835.0, (r"H200 NVL",), _H200 + " (H200 NVL: BF16 Tensor Core 1,671 TFLOPS with sparsity)"),
+    GpuPeak("GH200", 989.0, (r"GH200( .+)?",),
+            "NVIDIA GH200 Grace Hopper Superchip datasheet (FP16/BF16 Tensor Core 1,979 TFLOPS with sparsity), "
+            "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip"),
+    GpuPeak("B200", 2250.0, (r"B200",),
+            "NVIDIA HGX B200 specifications (FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity), "
+            "https://www.nvidia.com/en-us/data-center/hgx/"),
+    GpuPeak("L40S", 362.0, (r"L40S",), "NVIDIA L40S GPU datasheet (BF16 Tensor Core 362.05 TFLOPS, 733 with sparsity), "
+            "https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"),
+    GpuPeak("L40", 181.0, (r"L40",), "NVIDIA L40 GPU datasheet (BF16 Tensor Core 181.05 TFLOPS, 362.1 with sparsity), "
+            "https://images.nvidia.com/content/Solutions/data-center/vgpu-L40-datasheet.pdf"),
+    GpuPeak("L4", 121.0, (r"L4",), "NVIDIA L4 Tensor Core GPU datasheet (BF16 Tensor Core 242 TFLOPS with sparsity), "
+            "https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet"),
+    GpuPeak("A10", 125.0, (r"A10",), "NVIDIA A10 Tensor Core GPU datasheet (BF16 Tensor Core 125 TFLOPS, 250 with "
+            "sparsity), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf"),
+    GpuPeak("V100 SXM2", 125.0, (r"V100-SXM2-(16|32)GB",),
+            "NVIDIA V100 Tensor Core GPU datasheet (Tensor Performance 125 TFLOPS, SXM2), "
+            "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf",
+            dtype="fp16"),
+    GpuPeak("V100 PCIe", 112.0, (r"V100-PCIE-(16|32)GB",),
+            "NVIDIA V100 Tensor Core GPU datasheet (Tensor Performance 112 TFLOPS, PCIe), "
+            "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf",
+            dtype="fp16"),
+)
+GPU_PEAK_TFLOPS: dict[str, GpuPeak] = {peak.part: peak for peak in _GPU_PEAKS}
+"""Dense bf16 (V100: fp16) tensor-core peak by exact GPU part, each with its datasheet: gpu_peak() finds a card's
+entry from the name torch gives it; an unknown card has none, and its MFU is reported as unknown, not guessed."""
 
 
 def make_setup(preset: str = "tiny", batch_size: int = 16, *, data_dir: str | None = None, seed: int = 0,
@@ -208,12 +264,39 @@ def profile_steps(step_fn, *, steps: int = 3, warmup: int = 2, out_dir=".", trac
                          shares=shares, steps=steps, wall_s=wall_us / 1e6)
 
 
+def gpu_peak(name: str) -> GpuPeak | None:
+    """The GPU_PEAK_TFLOPS entry of a device name (torch.cuda.get_device_name), None for a card not in the table.
+
+    Each entry's names must match the whole name, less its "NVIDIA " or "Tesla " prefix: "NVIDIA H100 NVL" is the
+    H100 NVL, not the H100 SXM5 whose name also contains "H100", and "NVIDIA A10G" is not the A10."""
+    model = re.sub(r"^(NVIDIA|Tesla)\s+", "", name.strip(), flags=re.IGNORECASE)
+    for peak in GPU_PEAK_TFLOPS.values():
+        if any(re.fullmatch(pattern, model, flags=re.IGNORECASE) for pattern in peak.names):
+            return peak
+    return None
+
+
 def gpu_peak_flops(name: str) -> float | None:
     """Dense bf16 peak FLOP/s of a GPU from its name (torch.cuda.get_device_name), None if unknown."""
-    for key, tflops in GPU_PEAK_TFLOPS.items():
-        if key.lower() in name.lower():
-            return tflops * 1e12
-    return None
+    peak = gpu_peak(name)
+    return peak.tflops * 1e12 if peak else None
+
+
+def peak_text(name: str) -> str:
+    """What an MFU is a fraction of: '989 TFLOP/s (H100 SXM5 dense bf16 peak; <datasheet>)', or why there is none."""
+    peak = gpu_peak(name)
+    if peak is None:
+        return f"no peak figure for {name}"
+    return f"{peak.tflops:.0f} TFLOP/s ({peak.part} dense {peak.dtype} peak; {peak.source})"
+
+
+def mfu_text(achieved_flops: float, name: str) -> str:
+    """'MFU 47.2% of 989 TFLOP/s (H100 SXM5 dense bf16 peak; <datasheet>)' for a card in GPU_PEAK_TFLOPS, and
+    'MFU unknown (no peak figure for <name>)' for any other: a wrong peak would give a wrong MFU."""
+    peak = gpu_peak_flops(name)
+    if peak is None:
+        return f"MFU unknown ({peak_text(name)})"
+    return f"MFU {achieved_flops / peak:.1%} of {peak_text(name)}"
 
 
 def throughput_report(*, tokens_per_step: int, step_s: float, flops_per_token: int, ceiling_flops: float | None,
@@ -234,7 +317,8 @@ def measure_throughput(model, optimizer, batches, *, rounds: int = 10, warmup: i
     if device.type == "cuda":
         step_s = time_fn(step, warmup=warmup, repeats=rounds, sync=lambda: torch.cuda.synchronize(device)).median
         name = torch.cuda.get_device_name(device)
-        ceiling_flops, ceiling = gpu_peak_flops(name), f"{name} dense bf16 peak (MFU)"
+        ceiling_flops = gpu_peak_flops(name)
+        ceiling = (f"{name}: {peak_text(name)} (MFU)" if ceiling_flops else f"MFU unknown ({peak_text(name)})")
     else:
         g = torch.Generator().manual_seed(0)
         a, b = (torch.randn(MATMUL_CEILING_N, MATMUL_CEILING_N, generator=g) for _ in range(2))
@@ -245,6 +329,14 @@ def measure_throughput(model, optimizer, batches, *, rounds: int = 10, warmup: i
     return throughput_report(tokens_per_step=tokens_per_step, step_s=step_s,
                              flops_per_token=model.flops_per_token(batches.block_size),
                              ceiling_flops=ceiling_flops, ceiling=ceiling)
+
+
+def format_throughput(t: dict) -> str:
+    """One line of a measure_throughput result, naming the ceiling (on a GPU: the peak and its datasheet)."""
+    line = f"{t['tokens_per_s']:,.0f} tokens/s, {t['achieved_flops'] / 1e9:.2f} GFLOP/s"
+    if t["fraction"] is None:
+        return f"{line}; {t['ceiling']}"
+    return f"{line} = {t['fraction']:.1%} of {t['ceiling']} ({t['ceiling_flops'] / 1e9:.1f} GFLOP/s)"
 
 
 def format_breakdown(times: dict[str, float]) -> str:
@@ -271,9 +363,7 @@ def main(argv=None) -> None:
     print(f"trace: {report.trace_path} (open in chrome://tracing or https://ui.perfetto.dev)")
     print("time shares: " + ", ".join(f"{k} {v:.0%}" for k, v in report.shares.items()))
     print("phases (median of 10 steps): " + format_breakdown(step_breakdown(model, optimizer, batches)))
-    t = measure_throughput(model, optimizer, batches)
-    print(f"{t['tokens_per_s']:,.0f} tokens/s, {t['achieved_flops'] / 1e9:.2f} GFLOP/s = {t['fraction']:.1%} of "
-          f"{t['ceiling']} ({t['ceiling_flops'] / 1e9:.1f} GFLOP/s)")
+    print(format_throughput(measure_throughput(model, optimizer, batches)))
 
 
 if __name__ == "__main__":

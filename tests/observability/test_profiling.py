@@ -6,19 +6,26 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
 import torch
 
 from course_lib.data_parallel.experiment_workers import ddp_step_breakdown
+from course_lib.hybrid.planner import Cluster
 from course_lib.observability.profiling import (
     CATEGORIES,
+    GPU_PEAK_TFLOPS,
     PHASES,
     format_breakdown,
+    format_throughput,
+    gpu_peak,
     gpu_peak_flops,
     make_setup,
     measure_throughput,
+    mfu_text,
+    peak_text,
     profile_steps,
     run_step,
     step_breakdown,
@@ -92,14 +99,61 @@ def test_throughput_report_and_gpu_peaks():
     report = throughput_report(tokens_per_step=1000, step_s=0.5, flops_per_token=600, ceiling_flops=2.4e6,
                                ceiling="test")
     assert report["tokens_per_s"] == 2000 and report["achieved_flops"] == 1.2e6 and report["fraction"] == 0.5
-    assert throughput_report(tokens_per_step=1, step_s=1, flops_per_token=1, ceiling_flops=None,
-                             ceiling="unknown GPU")["fraction"] is None
+    unknown = throughput_report(tokens_per_step=1, step_s=1, flops_per_token=1, ceiling_flops=None,
+                                ceiling="MFU unknown (no peak figure for Quadro P1000)")
+    assert unknown["fraction"] is None
+    assert format_throughput(unknown) == "1 tokens/s, 0.00 GFLOP/s; MFU unknown (no peak figure for Quadro P1000)"
+    assert format_throughput(report).endswith("= 50.0% of test (0.0 GFLOP/s)")
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert gpu_peak_flops("NVIDIA L40S") == 362e12 and gpu_peak_flops("NVIDIA L4") == 121e12
     assert gpu_peak_flops("NVIDIA A10") == 125e12
     assert gpu_peak_flops("Quadro P1000") is None
+
+
+# The names torch.cuda.get_device_name() gives each part, and the part (with its dense peak) they must find.
+DEVICE_NAMES = {
+    "NVIDIA A100-SXM4-40GB": ("A100 SXM4", 312), "NVIDIA A100-SXM4-80GB": ("A100 SXM4", 312),
+    "NVIDIA A100-PCIE-40GB": ("A100 PCIe", 312), "NVIDIA A100 80GB PCIe": ("A100 PCIe", 312),
+    "NVIDIA H100 80GB HBM3": ("H100 SXM5", 989), "NVIDIA H100 PCIe": ("H100 PCIe", 756),
+    "NVIDIA H100 NVL": ("H100 NVL", 835), "NVIDIA H200": ("H200 SXM", 989), "NVIDIA H200 NVL": ("H200 NVL", 835),
+    "NVIDIA GH200 480GB": ("GH200", 989), "NVIDIA B200": ("B200", 2250), "NVIDIA L40S": ("L40S", 362),
+    "NVIDIA L40": ("L40", 181), "NVIDIA L4": ("L4", 121), "NVIDIA A10": ("A10", 125),
+    "Tesla V100-SXM2-32GB": ("V100 SXM2", 125), "Tesla V100-PCIE-16GB": ("V100 PCIe", 112),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_NAMES))
+def test_each_device_name_finds_its_exact_part(name):
+    part, tflops = DEVICE_NAMES[name]
+    peak = gpu_peak(name)
+    assert peak is not None and (peak.part, peak.tflops) == (part, tflops)
+    assert gpu_peak_flops(name) == tflops * 1e12
+    assert peak.source.startswith("NVIDIA ") and "https://" in peak.source, "every figure names its datasheet"
+    matching = [p.part for p in GPU_PEAK_TFLOPS.values()
+                if any(re.fullmatch(n, name.removeprefix("NVIDIA ").removeprefix("Tesla "), re.I) for n in p.names)]
+    assert matching == [part], "a name matches one part only: the order of the table decides nothing"
+
+
+def test_parts_that_share_a_family_name_do_not_take_each_others_peak():
+    # The earlier table matched by substring, so these got the H100 SXM's 989 (and an A10G the A10's 125).
+    assert gpu_peak_flops("NVIDIA H100 NVL") != 989e12 and gpu_peak_flops("NVIDIA H100 PCIe") != 989e12
+    assert gpu_peak_flops("NVIDIA H200 NVL") != 989e12
+    for unknown in ("NVIDIA A10G", "NVIDIA H100", "NVIDIA GB200", "NVIDIA H800", "NVIDIA GeForce RTX 4090", ""):
+        assert gpu_peak(unknown) is None and gpu_peak_flops(unknown) is None, unknown
+    assert set(GPU_PEAK_TFLOPS) >= {"A100 SXM4", "A100 PCIe", "H100 SXM5", "H100 PCIe", "H100 NVL", "H200 SXM",
+                                    "H200 NVL", "B200", "GH200", "L40S", "L4", "A10"}
+    # The 3D planner's cluster is of H100 SXM GPUs: its peak is the table's.
+    assert Cluster().peak_flops == GPU_PEAK_TFLOPS["H100 SXM5"].tflops * 1e12
+
+
+def test_every_mfu_line_names_its_peak_and_source_or_says_it_is_unknown():
+    line = mfu_text(466.7e12, "NVIDIA H100 80GB HBM3")
+    assert line.startswith("MFU 47.2% of 989 TFLOP/s (H100 SXM5 dense bf16 peak; NVIDIA H100 Tensor Core GPU datasheet")
+    assert mfu_text(300e12, "NVIDIA H100 NVL").startswith("MFU 35.9% of 835 TFLOP/s (H100 NVL dense bf16 peak;")
+    assert mfu_text(1e12, "NVIDIA RTX 9999") == "MFU unknown (no peak figure for NVIDIA RTX 9999)"
+    assert peak_text("NVIDIA B200").startswith("2250 TFLOP/s (B200 dense bf16 peak; NVIDIA HGX B200")
 
 
 def test_measure_throughput_on_cpu(one_thread):

@@ -38,10 +38,15 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     receive = torch.empty_like(chunks[0]) if chunks[0].numel() else torch.empty(0, dtype=flat.dtype)
 
     def exchange(send_index: int, recv_index: int) -> torch.Tensor:
+        # The send and the receive go out together: with NCCL, a send and a receive between the same two GPUs
+        # (2 ranks: right == left) queue on one stream, and a blocking receive behind a send that waits for it
+        # would never start. gloo would forgive isend + recv; NCCL needs the batch.
         incoming = receive[: chunks[recv_index].numel()]
-        request = dist.isend(chunks[send_index].contiguous(), dst=_global(right, group), group=group)
-        dist.recv(incoming, src=_global(left, group), group=group)
-        request.wait()
+        requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, chunks[send_index].contiguous(), _global(right, group), group),
+            dist.P2POp(dist.irecv, incoming, _global(left, group), group)])
+        for request in requests:
+            request.wait()
         return incoming
 
     for step in range(world_size - 1):  # reduce-scatter: accumulate partial sums around the ring

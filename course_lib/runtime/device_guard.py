@@ -123,6 +123,25 @@ def _caller() -> str:
     return "?"
 
 
+class _Checked:
+    """A collective that checks its tensors first, and is still equal to the collective it wraps: torch compares
+    ops by equality (dist.P2POp(dist.isend, ...) accepts only isend and irecv themselves)."""
+
+    def __init__(self, collective, check):
+        functools.update_wrapper(self, collective)
+        self.collective, self.check = collective, check
+
+    def __call__(self, *args, **kwargs):
+        self.check(args)
+        return self.collective(*args, **kwargs)
+
+    def __eq__(self, other):
+        return other is self or other is self.collective
+
+    def __hash__(self):
+        return hash(self.collective)
+
+
 @contextlib.contextmanager
 def guard_collectives(device: torch.device | str):
     """Inside: every collective of COLLECTIVES raises DeviceMismatch when a tensor it is given is not on `device`
@@ -131,8 +150,7 @@ def guard_collectives(device: torch.device | str):
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def checked(name, collective):
-        @functools.wraps(collective)
-        def call(*args, **kwargs):
+        def check(args):
             for position in COLLECTIVES[name]:
                 if position < len(args):
                     for tensor in _tensors(args[position]):
@@ -140,16 +158,31 @@ def guard_collectives(device: torch.device | str):
                             raise DeviceMismatch(
                                 f"dist.{name} at {_caller()} was given a tensor on {tensor.device}, but this rank's "
                                 f"device is {device}: make it with device=get_dist_info().device")
-            return collective(*args, **kwargs)
-        return call
+        return _Checked(collective, check)
+
+    p2p_op = dist.P2POp
+
+    class CheckedP2POp(p2p_op):
+        """dist.P2POp with its tensor checked; it keeps the original isend/irecv, which batch_isend_irecv
+        tells apart by identity."""
+
+        def __new__(cls, op, tensor, *args, **kwargs):
+            return super().__new__(cls, getattr(op, "collective", op), tensor, *args, **kwargs)
+
+        def __init__(self, op, tensor, *args, **kwargs):
+            op = getattr(op, "collective", op)
+            checked(op.__name__, op).check((tensor,))
+            super().__init__(op, tensor, *args, **kwargs)
 
     for name, collective in originals.items():
         setattr(dist, name, checked(name, collective))
+    dist.P2POp = CheckedP2POp
     try:
         yield
     finally:
         for name, collective in originals.items():
             setattr(dist, name, collective)
+        dist.P2POp = p2p_op
 
 
 def main(argv=None) -> int:

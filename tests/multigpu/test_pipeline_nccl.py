@@ -19,10 +19,8 @@ def test_one_f_one_b_pipeline_equals_one_process(multigpu, tmp_path):
     settings = dict(steps=STEPS, preset="tiny", config_overrides={"n_layer": max(2, n_stages)},
                     global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, optimizer="sgd", lr=0.1)
     micro_batches = 2 * n_stages
-    # The device guard wraps dist.isend / dist.irecv, and dist.P2POp (the runner's batched messages) accepts only
-    # the originals: the placement check and the CUDA tensors the runner allocates on its stage's device remain.
     ranks = multigpu.launch({"1f1b": (pipeline_train, dict(schedule="1f1b", micro_batches=micro_batches, **settings))},
-                            n_stages, tmp_path, device_guard=False)
+                            n_stages, tmp_path)
     reference = reference_run(**settings)
     covered = set()
     for stage, result in enumerate(ranks):

@@ -63,6 +63,17 @@ def test_the_run_time_guard_refuses_a_cpu_tensor_when_the_rank_device_is_another
     assert dist.all_reduce.__module__ == "torch.distributed.distributed_c10d", "the guard did not put dist back"
 
 
+def test_the_guard_checks_batched_point_to_point_ops_and_keeps_them_batchable():
+    original_isend, original_p2p_op = dist.isend, dist.P2POp
+    with single_process_group(), device_guard.guard_collectives(torch.device("meta")):
+        with pytest.raises(device_guard.DeviceMismatch, match="dist.isend at .* was given a tensor on cpu"):
+            dist.P2POp(dist.isend, torch.ones(1), 0)
+        op = dist.P2POp(dist.isend, torch.ones(1, device="meta"), 0)
+        # batch_isend_irecv tells sends from receives by identity: the op must be torch's own isend
+        assert op.op is original_isend and isinstance(op, original_p2p_op) and dist.isend == original_isend
+    assert dist.P2POp is original_p2p_op and dist.isend is original_isend
+
+
 def test_launch_runs_every_rank_under_the_guard_when_asked(monkeypatch):
     monkeypatch.setenv(DEVICE_GUARD_VARIABLE, "1")
     assert [r["after"] for r in launch(allreduce_demo, 2, echo=False)] == [3.0, 3.0]

@@ -89,6 +89,17 @@ def test_device_and_precision_selection():
             select_device("cuda")
 
 
+def test_auto_says_where_it_takes_the_apple_gpu(monkeypatch, capsys):
+    import course_lib.core.device as device_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device_module, "mps_available", lambda: True)
+    monkeypatch.setattr(device_module, "_MPS_SAID", [])
+    assert select_device("auto").type == "mps" and select_device("auto").type == "mps"
+    printed = capsys.readouterr().out
+    assert printed.count("device='auto' chose mps") == 1 and "device='cpu'" in printed, printed
+
+
 def test_bf16_autocast_on_cpu_trains(tmp_path):
     with autocast_context("cpu", torch.bfloat16):
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16

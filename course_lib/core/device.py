@@ -36,6 +36,18 @@ def mps_available() -> bool:
     return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 
 
+_MPS_SAID = []
+
+
+def _say_mps_once() -> None:
+    """On a Mac, device='auto' takes the Apple GPU: say so where it happens (once per process), and what differs."""
+    if not _MPS_SAID:
+        _MPS_SAID.append(True)
+        print("device='auto' chose mps, this Mac's GPU, for this one-process run; the course's multi-rank runs use "
+              "CPU ranks over gloo, and figures in the book were measured on the CPU: pass device='cpu' to match "
+              "them", flush=True)
+
+
 def select_device(preference: str = "auto") -> torch.device:
     """'auto' picks cuda > mps > cpu. An explicit 'cuda' or 'mps' that is not available raises RuntimeError.
 
@@ -48,7 +60,10 @@ def select_device(preference: str = "auto") -> torch.device:
     if kind == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        return torch.device("mps") if mps_available() else torch.device("cpu")
+        if mps_available():
+            _say_mps_once()
+            return torch.device("mps")
+        return torch.device("cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"device {preference!r} was requested but CUDA is not available "

@@ -62,6 +62,33 @@ class LaunchEnvironmentError(RuntimeError):
     which the training CLI reports in one line with exit code 2, like a bad flag."""
 
 
+GLOO_INTERFACE_VARIABLE = "GLOO_SOCKET_IFNAME"
+LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface: "lo" on Linux, "lo0" on macOS (None if not found)."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def gloo_on_loopback(master_addr: str | None) -> dict[str, str]:
+    """{GLOO_SOCKET_IFNAME: the loopback interface} when every rank runs on this machine (master_addr is a
+    loopback address) and the variable is not set; {} otherwise.
+
+    gloo finds the address it listens on from the host name. On a laptop whose host name resolves to a VPN's or a
+    Wi-Fi network's address (common on macOS), the ranks then try to reach each other there, and the process group
+    fails or hangs; ranks of one machine need only the loopback interface.
+    """
+    if os.environ.get(GLOO_INTERFACE_VARIABLE) or master_addr not in LOOPBACK_ADDRESSES:
+        return {}
+    interface = loopback_interface()
+    return {GLOO_INTERFACE_VARIABLE: interface} if interface else {}
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None:
@@ -203,7 +230,8 @@ def init_distributed(backend: str | None = None, device: str = "auto", timeout_s
                     "(torchrun or course_lib.runtime.launch sets it)")
         if not 0 < _env_int("MASTER_PORT") < 65536:
             raise LaunchEnvironmentError(f"environment variable MASTER_PORT must be a port number (1-65535), got "
-                               f"{os.environ['MASTER_PORT']!r}")
+                                         f"{os.environ['MASTER_PORT']!r}")
+        os.environ.update(gloo_on_loopback(os.environ["MASTER_ADDR"]))  # torchrun --standalone on a laptop
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     return get_dist_info()
 

@@ -44,7 +44,8 @@ import torch.distributed as dist
 from course_lib.core.checks import positive_int
 from course_lib.nbtools import relative_paths
 from course_lib.runtime.device_guard import guard_collectives
-from course_lib.runtime.env import DEFAULT_TIMEOUT_S, get_dist_info, init_distributed, setup_rank_logging
+from course_lib.runtime.env import (DEFAULT_TIMEOUT_S, get_dist_info, gloo_on_loopback, init_distributed,
+                                    setup_rank_logging)
 
 STOP_GRACE_S = 1.0  # time the other ranks get to report their own errors before they are killed
 
@@ -433,8 +434,9 @@ def launch(worker, world_size: int, args: tuple = (), kwargs: dict | None = None
         log_dir = _launch_log_dir(latest)
     else:
         log_dir, claim = _claim_log_dir(Path(log_dir))
+    env = {**gloo_on_loopback(master_addr), **(env or {})}  # all ranks on this machine: gloo on the loopback
     options = dict(backend=backend, device=device, timeout_s=timeout_s, log_dir=str(log_dir), threads=threads,
-                   echo=echo, parent_pid=os.getpid(), env={str(k): str(v) for k, v in (env or {}).items()},
+                   echo=echo, parent_pid=os.getpid(), env={str(k): str(v) for k, v in env.items()},
                    environ=None)
     procs, conns = [], []
     try:

@@ -4,8 +4,9 @@
 
 Each agent is started the way a node's launcher starts it (--nnodes=2 --node_rank=N --rdzv_backend=c10d
 --rdzv_endpoint=127.0.0.1:<port> --rdzv_id=<job>), in its own session. `--local_addr` gives the two "nodes"
-different addresses (127.0.0.1 and 127.0.0.2, both loopback on Linux): the c10d rendezvous orders nodes by
-address, so node 0 gets the first global ranks, as the first host of a real allocation does. Whatever
+different addresses (127.0.0.1 and localhost, both the loopback interface on every OS, macOS included): the c10d
+rendezvous orders nodes by address, and "127.0.0.1" sorts before "localhost", so node 0 gets the first global
+ranks, as the first host of a real allocation does. Whatever
 happens, every process a test started is killed before it ends (run_process_tree).
 """
 
@@ -115,7 +116,11 @@ def two_node_commands(port: int, program: list[str], nproc_per_node: int = 1, ex
     """
     return [["env", f"NODE_RANK={node}", TORCHRUN, "--nnodes=2", f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}",
              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=job-{port}",
-             f"--local_addr=127.0.0.{node + 1}", *extra, *program] for node in (1, 0)]
+             f"--local_addr={NODE_ADDRESSES[node]}", *extra, *program] for node in (1, 0)]
+
+
+NODE_ADDRESSES = ("127.0.0.1", "localhost")
+"""Two names of the loopback interface that every OS has (macOS configures no 127.0.0.2), in c10d's sort order."""
 
 
 JOINED = re.compile(r"joined: node (\d), local rank (\d), global rank (\d) of (\d)")

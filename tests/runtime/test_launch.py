@@ -277,3 +277,19 @@ def test_a_script_that_launches_without_a_main_guard_is_told_what_to_add(tmp_pat
                           env=env)
     assert done.returncode != 0
     assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]
+
+
+def test_ranks_of_one_machine_talk_over_the_loopback_interface(tmp_path, monkeypatch):
+    """gloo finds its address from the host name, which on a laptop on a VPN is not this machine's loopback: launch
+    and torchrun-started ranks with a loopback MASTER_ADDR set GLOO_SOCKET_IFNAME (lo, lo0 on macOS) unless it is set."""
+    from course_lib.runtime.env import gloo_on_loopback, loopback_interface
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    interface = loopback_interface()
+    assert interface == ("lo0" if sys.platform == "darwin" else "lo")
+    assert gloo_on_loopback("127.0.0.1") == {"GLOO_SOCKET_IFNAME": interface}
+    assert gloo_on_loopback("10.1.2.3") == {}, "ranks on other machines: leave gloo to find its interface"
+    seen = launch(demo_workers.environment, 2, args=(["GLOO_SOCKET_IFNAME"],), log_dir=tmp_path / "a", echo=False)
+    assert [r["env"]["GLOO_SOCKET_IFNAME"] for r in seen] == [interface] * 2
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface)  # the user's own setting wins (here: the same interface)
+    assert gloo_on_loopback("127.0.0.1") == {}

@@ -114,13 +114,20 @@ def bf16_matmul_tflops(n: int = 8192, repeats: int = 10) -> str:
 
 
 # ------------------------------------------------------------------------------------------ notebooks
-def notebook_sources() -> list[Path]:
-    """Each notebook once: the graded ones from solutions/ (their student versions stop at an exercise)."""
+def notebook_sources(missing: list | None = None) -> list[Path]:
+    """Each notebook once: the graded ones from solutions/ (their student versions stop at an exercise).
+
+    Where solutions/ is absent (the learner image of the Dockerfile), graded notebooks are left out and, if
+    `missing` is a list, appended to it."""
     sources = []
     for student in sorted((REPO_ROOT / "notebooks").glob("*/*.ipynb")):
         nb = nbformat.read(student, as_version=4)
         graded = any(c.metadata.get("nbgrader", {}).get("grade") for c in nb.cells)
-        sources.append(REPO_ROOT / "solutions" / student.parent.name / student.name if graded else student)
+        source = REPO_ROOT / "solutions" / student.parent.name / student.name if graded else student
+        if source.is_file():
+            sources.append(source)
+        elif missing is not None:
+            missing.append(student)
     return sources
 
 
@@ -243,7 +250,11 @@ def run_notebooks(device: str = "cuda", only: list[str] | None = None, out_dir: 
     env_backend = os.environ.get("COURSE_BACKEND")  # set by the caller: it decides for every notebook
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     deadline = time.time() + time_limit_s if time_limit_s else None
-    paths = [p for p in notebook_sources() if not only or any(o in f"{p.parent.name}/{p.stem}" for o in only)]
+    missing = []
+    paths = [p for p in notebook_sources(missing) if not only or any(o in f"{p.parent.name}/{p.stem}" for o in only)]
+    if missing:
+        print(f"  {len(missing)} graded notebook(s) not run: their solutions are not here (solutions/ is in the "
+              "instructor image, not the learner's)", flush=True)
     if jobs > 1:
         print(f"  {jobs} notebooks at a time: each time includes sharing the cores and the GPU", flush=True)
     print(f"  {'notebook':<44} {'seconds':>9}  {'run as':<34} result", flush=True)

@@ -54,7 +54,7 @@ def test_the_notebook_runner_passes_the_device_parameter(tmp_path, monkeypatch):
     nb.metadata["course"] = {"test_parameters": {"steps": 2}}
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, source)
-    monkeypatch.setattr(gpu_check, "notebook_sources", lambda: [source])
+    monkeypatch.setattr(gpu_check, "notebook_sources", lambda missing=None: [source])
     rows = gpu_check.run_notebooks("cpu", only=["session_x/01_device"], out_dir=tmp_path / "out")
     assert [(r["notebook"], r["status"], r["on"]) for r in rows] == [
         ("session_x/01_device", "passed", "cpu (--device cpu)")]
@@ -267,3 +267,13 @@ def test_the_split_of_a_real_cpu_profile_covers_every_operator(one_thread):
     linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert gpu_check.matmul_flops_per_token(model) == 6 * (linear_weights - model.lm_head.weight.numel()) + \
         6 * model.tok_emb.weight.numel(), "the tied lm_head counts once"
+
+
+def test_without_solutions_the_graded_notebooks_are_left_out_and_counted(monkeypatch, tmp_path):
+    """The learner image has no solutions/: gpu-check runs the lesson notebooks and says what it left out."""
+    (tmp_path / "notebooks").symlink_to(gpu_check.REPO_ROOT / "notebooks")
+    monkeypatch.setattr(gpu_check, "REPO_ROOT", tmp_path)
+    missing = []
+    sources = gpu_check.notebook_sources(missing)
+    assert missing and all("solutions" not in p.parts for p in sources)
+    assert len(sources) + len(missing) == len(list((tmp_path / "notebooks").glob("*/*.ipynb")))

@@ -199,10 +199,16 @@ def build_deepspeed_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> dict:
-    import deepspeed
+DEEPSPEED_MISSING = "DeepSpeed is not installed: make venv EXTRAS=deepspeed (or pip install -r requirements-deepspeed.txt)"
 
+
+def main(argv=None) -> dict:
     parser = build_deepspeed_parser()
+    try:
+        import deepspeed
+    except ImportError:
+        parser.exit(2, f"{parser.prog}: error: {DEEPSPEED_MISSING}\n")
+
     args = parser.parse_args(argv)
     explicit = explicit_flags(parser, argv)
     config_from_args(args)  # validates the flags, and copies --local_rank to $LOCAL_RANK

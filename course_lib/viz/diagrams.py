@@ -158,7 +158,7 @@ def slurm_lifecycle() -> Figure:
         _box(ax, x, 0.55, 1.9, 0.9, text, color, fontsize=8)
         _arrow(ax, (4 * pitch + w / 2, y), (x + 0.95, 1.45), color=GREY, lw=0.8)
     ax.text(6.3, 0.2, "At the time limit SLURM sends SIGTERM, waits KillWait (30 s by default), then SIGKILL; "
-            "#SBATCH --signal=B:USR1@300 adds a warning signal 300 s before.", ha="center", va="center",
+            "#SBATCH --signal=USR1@120 adds a warning signal 120 s before (the course CLI then checkpoints).", ha="center", va="center",
             fontsize=8, color=RED)
     _canvas(ax, (-0.2, 13.0), (-0.1, 6.0))
     ax.set_title("Life of a SLURM batch job (sacct -j <id> shows its state and exit code)", fontsize=11)

@@ -1,4 +1,4 @@
-"""The pinned environment: requirements.txt, environment.yml and the installed packages agree.
+"""The pinned environment: requirements.txt, environment.yml, the optional extras and the installed packages agree.
 
     .venv/bin/python -m pytest -q tests/course/test_environment.py
 """
@@ -38,9 +38,13 @@ def parse_pins(lines: list[str], where: str) -> dict[str, str]:
     return pins
 
 
-def requirements_pins() -> dict[str, str]:
-    path = REPO_ROOT / "requirements.txt"
-    return parse_pins(path.read_text(encoding="utf-8").splitlines(), "requirements.txt")
+def requirements_pins(name: str = "requirements.txt") -> dict[str, str]:
+    path = REPO_ROOT / name
+    return parse_pins(path.read_text(encoding="utf-8").splitlines(), name)
+
+
+EXTRAS = {"deepspeed": "requirements-deepspeed.txt"}
+"""Optional extras: `make venv EXTRAS=<name>` installs requirements-<name>.txt on top of requirements.txt."""
 
 
 def environment_yml() -> dict:
@@ -116,3 +120,33 @@ def test_course_lib_is_installed_from_this_repository():
 
     assert Path(course_lib.__file__).resolve().is_relative_to(REPO_ROOT), (
         f"course_lib is imported from {course_lib.__file__}, not from {REPO_ROOT} (run `make venv`)")
+
+
+def test_deepspeed_is_an_optional_extra_that_moves_no_pin():
+    """DeepSpeed ships only sources: the default install leaves it out, `make venv EXTRAS=deepspeed` adds it."""
+    base = requirements_pins()
+    assert "deepspeed" not in base, "requirements.txt must install without building anything: DeepSpeed is an extra"
+    for extra, name in EXTRAS.items():
+        pins = requirements_pins(name)
+        assert extra in pins and not set(pins) & set(base), f"{name}: {pins} (repeats requirements.txt: not allowed)"
+    makefile = (REPO_ROOT / "Makefile").read_text(encoding="utf-8")
+    assert "$(VENV)/.installed-%: requirements-%.txt $(STAMP)" in makefile
+    assert "-r $< -c requirements.txt" in makefile  # installed against requirements.txt's pins
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    extras = re.search(r"^\[project\.optional-dependencies\]\n(.*?)(?=^\[)", pyproject, re.M | re.S)
+    assert extras and re.search(r'^deepspeed = \["deepspeed', extras.group(1), re.M), (
+        "pyproject.toml offers course_lib[deepspeed] too")
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text(encoding="utf-8")
+    assert "requirements-deepspeed.txt" in dockerfile  # the GPU image has it
+
+
+@pytest.mark.parametrize("name", sorted(requirements_pins(EXTRAS["deepspeed"])))
+def test_an_installed_extra_matches_its_pin(name):
+    pinned = requirements_pins(EXTRAS["deepspeed"])[name]
+    try:
+        installed = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"{'DeepSpeed' if name == 'deepspeed' else name} is not installed: make venv EXTRAS=deepspeed")
+    assert Version(installed) in SpecifierSet(f"=={pinned}"), (
+        f"{name}: requirements-deepspeed.txt pins {pinned}, {sys.prefix} has {installed} "
+        "(run `make venv EXTRAS=deepspeed` to re-sync)")

@@ -8,6 +8,10 @@
   course_lib.train's own argument parsers; real CPU runs of the unchanged files with `srun` and `scontrol`
   faked (FAKE_SRUN below starts its command once per simulated node with the SLURM_* variables a real srun
   sets; FAKE_SCONTROL expands node lists with course_lib.cluster.slurm); opt-in, the same files through a real Slurm.
+  The time-limit warning: SIGUSR1 sent to the steps' processes, as Slurm's `--signal=USR1@120` does, stops the
+  run with a checkpoint, the job is requeued, and the same job run again resumes there.
+- Apptainer: config/slurm_apptainer.sbatch's `apptainer exec` line (binds, environment, the image's repository),
+  and the job run with `apptainer` faked (FAKE_APPTAINER: the command on this machine, the binds as links).
 - Kubernetes: the PyTorchJob's pods x GPUs against torchrun's flags, its command through the same parsers.
 - DeepSpeed: every config through DeepSpeed's own DeepSpeedConfig at the cluster's world size, its optimizer,
   schedule and precision against the course's, and real runs under the `deepspeed` launcher.
@@ -23,15 +27,20 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
-from cluster.test_torchrun_multinode import clean_environ, run_process_tree  # tests/ is on sys.path (conftest.py)
+from cluster.test_torchrun_multinode import (  # tests/ is on sys.path (conftest.py)
+    clean_environ, kill_process_trees, run_process_tree)
 from torch.distributed.run import get_args_parser as torchrun_parser
 
 from course_lib import train as course_train
@@ -45,7 +54,13 @@ from course_lib.runtime.env import free_port
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config"
 BIN = Path(sys.executable).parent
-SBATCH_FILES = {"example": CONFIG / "slurm_example.sbatch", "multinode": CONFIG / "slurm_multinode.sbatch"}
+SBATCH_FILES = {"example": CONFIG / "slurm_example.sbatch", "multinode": CONFIG / "slurm_multinode.sbatch",
+                "apptainer": CONFIG / "slurm_apptainer.sbatch"}
+NATIVE_SBATCH = ("example", "multinode")  # the files that run the repository's .venv rather than an image
+USR1_WRAPPER = ["bash", "-c", 'trap "" USR1; exec "$@"', "torchrun-ignoring-usr1"]
+"""How every sbatch file starts torchrun: with SIGUSR1 ignored, which its workers inherit and then handle."""
+IMAGE_REPO = "/home/course/course"  # the repository in the image (the Dockerfile's WORKDIR)
+DEEPSPEED_MISSING = "DeepSpeed is not installed: make venv EXTRAS=deepspeed"
 DEEPSPEED_FILES = sorted(CONFIG.glob("deepspeed_*.json"))
 TINY_RUN = ("--model_size tiny --max_steps 2 --warmup_steps 1 --batch_size 4 --dataset synthetic --eval_batches 2 "
             "--no-tensorboard")
@@ -121,6 +136,61 @@ if args[:2] == ["show", "hostnames"]:
     sys.stdout.write("".join(host + "\n" for host in hosts))  # one write, as C stdio does: `| head -n 1` is safe
 '''
 
+FAKE_APPTAINER = r'''
+"""apptainer, faked: `apptainer exec [options] IMAGE COMMAND...` runs COMMAND on this machine as if in the image.
+
+The image's repository is $FAKE_IMAGE_REPO here, its runs/, logs/ and data/ links to the --bind sources (the
+course_lib it runs is this machine's). --env sets variables, the image's repository path in them mapped, --pwd
+the working folder; the image's Python environment (this one's) leads PATH, and the image has no Slurm, so srun,
+scontrol and this script leave it.
+"""
+import json, os, sys
+from pathlib import Path
+
+IMAGE_REPO = "/home/course/course"
+argv = sys.argv[1:]
+assert argv.pop(0) == "exec", "only `apptainer exec` is faked"
+options = {"--bind": [], "--env": [], "--pwd": None, "--nv": False}
+while argv[0].startswith("-"):
+    flag = argv.pop(0)
+    if flag == "--nv":
+        options[flag] = True
+    elif flag in ("--bind", "--env"):
+        options[flag] += argv.pop(0).split(",")
+    elif flag == "--pwd":
+        options[flag] = argv.pop(0)
+    else:
+        sys.exit(f"fake apptainer: {flag} is not faked")
+image = argv.pop(0)
+with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
+    log.write(json.dumps({"tool": "apptainer", "options": options, "image": image, "command": argv}) + "\n")
+if not Path(image).is_file():
+    sys.exit(f"FATAL: could not open image {image}: no such file")
+repo = Path(os.environ["FAKE_IMAGE_REPO"])
+repo.mkdir(parents=True, exist_ok=True)
+inside = lambda path: path.replace(IMAGE_REPO, str(repo))
+for bind in options["--bind"]:
+    source, _, target = bind.partition(":")
+    link = Path(inside(target or source))
+    if not Path(source).is_dir():
+        sys.exit(f"FATAL: bind source {source} does not exist")
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            link.symlink_to(source)
+        except FileExistsError:  # the other node made it
+            pass
+env = dict(os.environ)
+for item in options["--env"]:
+    name, _, value = item.partition("=")
+    env[name] = inside(value)
+fake_bin = str(Path(__file__).resolve().parent)
+image_python = str(Path(sys.executable).parent)  # the image's /opt/venv/bin comes first on its PATH
+env["PATH"] = os.pathsep.join([image_python] + [p for p in env["PATH"].split(os.pathsep) if p != fake_bin])
+os.chdir(inside(options["--pwd"] or os.getcwd()))
+os.execvpe(argv[0], argv, env)
+'''
+
 
 # ---------------------------------------------------------------------------------------------- SLURM
 
@@ -162,7 +232,7 @@ def fake_slurm(tmp_path: Path, sbatch: Path, nnodes: int, nproc_per_node: int, t
     """The environment of `bash <sbatch>` as if SLURM ran it: SLURM_* variables and the fakes first on PATH."""
     fake_bin = tmp_path / "fake_bin"
     fake_bin.mkdir(exist_ok=True)
-    for name, source in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, source in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("apptainer", FAKE_APPTAINER)):
         (fake_bin / name).write_text(f"#!{sys.executable}\n{source}")
         (fake_bin / name).chmod(0o755)
     venv = Path(sys.prefix)
@@ -171,23 +241,47 @@ def fake_slurm(tmp_path: Path, sbatch: Path, nnodes: int, nproc_per_node: int, t
         (venv / "bin").mkdir(parents=True, exist_ok=True)
         (venv / "bin" / "activate").write_text(f'export PATH="{BIN}:$PATH"\n')
     (tmp_path / "logs").mkdir(exist_ok=True)
-    return clean_environ(
+    (tmp_path / "course.sif").write_bytes(b"")  # slurm_apptainer.sbatch's default IMAGE (FAKE_APPTAINER runs it)
+    environ = clean_environ(
         PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}", VENV=str(venv),
         SLURM_JOB_ID=str(job_id_with_free_port()), SLURM_JOB_NAME=sbatch_directives(sbatch)["job-name"],
         SLURM_JOB_NODELIST="127.0.0.1" if nnodes == 1 else f"127.0.0.[1-{nnodes}]", SLURM_NNODES=str(nnodes),
         SLURM_NTASKS=str(nnodes), SLURM_NTASKS_PER_NODE="1", SLURM_SUBMIT_DIR=str(tmp_path),
         SLURM_CPUS_PER_TASK=str(max(1, (os.cpu_count() or 2) // nnodes)), NPROC_PER_NODE=str(nproc_per_node),
         TRAIN_ARGS=train_args, FAKE_SLURM_LOG=str(tmp_path / "slurm_calls.jsonl"),
-        FAKE_SRUN_DRY_RUN="1" if dry_run else "0")
+        FAKE_SRUN_DRY_RUN="1" if dry_run else "0", FAKE_IMAGE_REPO=str(tmp_path / "image_repo"))
+    for name in ("SCRATCH", "COURSE_OUTPUT_ROOT"):  # outputs in the submit folder, unless a test sets them
+        environ.pop(name, None)
+    return environ
 
 
-def srun_calls(tmp_path: Path) -> list[dict]:
+def srun_calls(tmp_path: Path, tool: str = "srun") -> list[dict]:
     lines = (tmp_path / "slurm_calls.jsonl").read_text().splitlines()
-    return [call for call in map(json.loads, lines) if call["tool"] == "srun"]
+    return [call for call in map(json.loads, lines) if call["tool"] == tool]
+
+
+def split_apptainer(command: list[str]) -> tuple[dict, str, list[str]]:
+    """`apptainer exec [options] IMAGE COMMAND...` -> ({option: [values]}, IMAGE, COMMAND)."""
+    assert command[:2] == ["apptainer", "exec"], command
+    rest, options = command[2:], {}
+    while rest[0].startswith("-"):
+        flag = rest.pop(0)
+        options.setdefault(flag, []).append(True if flag in ("--nv", "--cleanenv", "-e") else rest.pop(0))
+    return options, rest[0], rest[1:]
+
+
+def unwrap_launch(command: list[str]) -> list[str]:
+    """The torchrun command that srun starts, inside its SIGUSR1 wrapper (and apptainer exec)."""
+    if command[:2] == ["apptainer", "exec"]:
+        command = split_apptainer(command)[2]
+    assert command[:len(USR1_WRAPPER)] == USR1_WRAPPER, f"start torchrun with SIGUSR1 ignored: {command[:6]}"
+    return command[len(USR1_WRAPPER):]
 
 
 def parse_launch(command: list[str]):
     """(torchrun's arguments, the TrainConfig of the training flags), each from the real parser."""
+    if Path(command[0]).name != "torchrun":
+        command = unwrap_launch(command)
     assert Path(command[0]).name == "torchrun", command
     launch = torchrun_parser().parse_args(command[1:])
     assert launch.module and launch.training_script == "course_lib.train", command
@@ -217,6 +311,8 @@ def test_sbatch_directives_ask_for_one_agent_per_node():
         directives = sbatch_directives(path)
         text = path.read_text(encoding="utf-8")
         assert directives["ntasks-per-node"] == "1", name  # torchrun, not SLURM, starts the per-GPU processes
+        # the time-limit warning to the steps' processes (not B:, the batch shell), and the job may be requeued
+        assert directives["signal"] == "USR1@120" and directives["requeue"] == "true", name
         assert int(directives["gpus-per-node"]) >= 1 and int(directives["nodes"]) >= 1, name
         assert re.fullmatch(r"\d+:\d\d:\d\d", directives["time"]), name
         assert "%j" in directives["output"] and "partition" not in directives, name  # ##SBATCH stays a comment
@@ -247,10 +343,123 @@ def test_sbatch_default_launch_line_agrees_with_torchrun_and_the_training_cli(tm
     assert launch.rdzv_backend == "c10d" and launch.rdzv_id == env["SLURM_JOB_ID"]
     assert launch.rdzv_endpoint == f"{torch_env['MASTER_ADDR']}:{torch_env['MASTER_PORT']}"  # course_lib.cluster.slurm's rule
     assert cfg.strategy == "ddp" and cfg.device == "auto" and cfg.precision == "auto"  # bf16 on GPUs, fp32 on CPUs
-    assert cfg.out_dir.startswith("runs/") and cfg.log_dir.startswith("logs/")
+    assert cfg.out_dir.startswith("runs/") and cfg.log_dir.startswith("logs/") and cfg.resume == "auto"
+    if name != "multinode":
+        return
+    call_env_job_id, job_name = env["SLURM_JOB_ID"], env["SLURM_JOB_NAME"]
+    for other in ("apptainer",):  # the container runs the two-node job exactly as slurm_multinode.sbatch does
+        (tmp_path / other).mkdir()
+        env = fake_slurm(tmp_path / other, SBATCH_FILES[other], nnodes=nnodes, nproc_per_node=0, train_args="",
+                         dry_run=True)
+        del env["TRAIN_ARGS"], env["NPROC_PER_NODE"]
+        env.update(SLURM_GPUS_ON_NODE=str(gpus), SLURM_JOB_ID=call_env_job_id)
+        done = subprocess.run(["bash", SBATCH_FILES[other]], env=env, cwd=tmp_path / other, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        (other_call,) = srun_calls(tmp_path / other)
+        same_name = [arg.replace(env["SLURM_JOB_NAME"], job_name) for arg in unwrap_launch(other_call["command"])]
+        assert same_name == unwrap_launch(call["command"]), other
     if name == "multinode":
         assert cfg.resume == "auto" and launch.max_restarts >= 1 and cfg.ckpt_interval <= cfg.max_steps // 10
         assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in SBATCH_FILES[name].read_text()
+
+
+def dry_run(tmp_path: Path, name: str, **environ) -> tuple[dict, dict]:
+    """(the environment, srun's call) of the sbatch file run with srun faked (not starting anything)."""
+    directives = sbatch_directives(SBATCH_FILES[name])
+    env = fake_slurm(tmp_path, SBATCH_FILES[name], nnodes=int(directives["nodes"]), nproc_per_node=4, train_args="",
+                     dry_run=True)
+    env.update(environ)
+    done = subprocess.run(["bash", SBATCH_FILES[name]], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (call,) = srun_calls(tmp_path)
+    return env, call
+
+
+@pytest.mark.parametrize("name", sorted(SBATCH_FILES))
+def test_sbatch_starts_torchrun_with_sigusr1_ignored_and_writes_under_the_output_root(tmp_path, name):
+    """Slurm's warning (SIGUSR1) must not kill torchrun's agent: the wrapper srun starts makes torchrun, and every
+    process it starts, ignore the signal until a worker installs its own handler."""
+    text = SBATCH_FILES[name].read_text(encoding="utf-8")
+    assert "bash -c 'trap \"\" USR1; exec \"$@\"' torchrun-ignoring-usr1 \\\n    torchrun \\\n" in text
+    assert "export COURSE_OUTPUT_ROOT=${COURSE_OUTPUT_ROOT:-${SCRATCH:-$SLURM_SUBMIT_DIR}}" in text
+    subprocess.run(["bash", "-n", SBATCH_FILES[name]], check=True)  # syntax
+    env, call = dry_run(tmp_path, name)
+    command = call["command"] if name != "apptainer" else split_apptainer(call["command"])[2]
+    wrapper = command[:len(USR1_WRAPPER)]
+    assert wrapper == USR1_WRAPPER
+    # The wrapper as srun receives it, around a program that reports what SIGUSR1 does in it and in its child.
+    ignored = "import signal; print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, flush=True)"
+    report = f"{ignored}; import subprocess, sys; subprocess.run([sys.executable, '-S', '-c', {ignored!r}])"
+    done = subprocess.run([*wrapper, sys.executable, "-S", "-c", report], capture_output=True, text=True,
+                          timeout=30, check=True)
+    assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr
+    # Relative outputs land under the output root: the scratch file system when the cluster names one
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (tmp_path / "slurm_calls.jsonl").unlink()
+    env, call = dry_run(tmp_path, name, SCRATCH=str(scratch))
+    output = call["options"].get("--output")
+    if output:  # the nodes' own files, beside the ranks' logs
+        assert output.startswith(f"{scratch}/logs/"), output
+
+
+def test_apptainer_job_binds_runs_logs_and_data_into_the_read_only_image(tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env, call = dry_run(tmp_path, "apptainer", SCRATCH=str(scratch))
+    options, image, inner = split_apptainer(call["command"])
+    assert image == str(tmp_path / "course.sif")  # IMAGE's default: course.sif in the submit folder
+    assert options["--nv"] == [True], "--nv: the host's driver and GPUs in the container"
+    assert not {"--cleanenv", "-e", "--containall", "-C", "--writable"} & set(options), (
+        "the host environment (NCCL_*, SLURM_*, MASTER_*) must reach the container, and the image stays read-only")
+    assert options["--pwd"] == [IMAGE_REPO]
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    assert f"WORKDIR {IMAGE_REPO}" in dockerfile, "the image's repository is where the job binds its folders"
+    (binds,) = options["--bind"]
+    pairs = dict(bind.split(":") for bind in binds.split(","))
+    assert pairs == {str(scratch / folder): f"{IMAGE_REPO}/{folder}" for folder in ("runs", "logs", "data")}
+    assert all(Path(source).is_dir() for source in pairs)  # created before the container starts
+    (container_env,) = options["--env"]
+    values = dict(item.split("=", 1) for item in container_env.split(","))
+    assert values["COURSE_OUTPUT_ROOT"] == IMAGE_REPO  # inside, the bound folders are the repository's
+    threads = int(env["SLURM_CPUS_PER_TASK"]) // int(env["NPROC_PER_NODE"])
+    assert values["OMP_NUM_THREADS"] == str(max(1, threads)) and values["NCCL_DEBUG"] == "WARN"
+    launch, cfg = parse_launch(inner)
+    assert cfg.resume == "auto" and not Path(cfg.out_dir).is_absolute() and not Path(cfg.log_dir).is_absolute()
+    assert call["options"]["--output"].startswith(f"{scratch}/logs/{env['SLURM_JOB_NAME']}/")
+    # Without an image, the job stops at once and says so
+    env["IMAGE"] = str(tmp_path / "missing.sif")
+    done = subprocess.run(["bash", SBATCH_FILES["apptainer"]], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "no Apptainer image at" in done.stderr
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["stopped-by-the-warning", "finished"])
+def test_apptainer_job_requeues_from_the_host_when_the_image_cannot(tmp_path, monkeypatch, stopped):
+    """Inside the image there is no scontrol: the training CLI's own requeue fails and says so in its output, and
+    the batch script, on the host, requeues the job instead."""
+    job_id = "4242"
+    monkeypatch.setenv("SLURM_JOB_ID", job_id)
+    monkeypatch.setenv("PATH", str(tmp_path / "no_slurm_here"))
+    said = course_train.requeue_slurm_job()  # what rank 0 prints after the warning, in the container
+    assert "failed" in said
+    monkeypatch.undo()
+    directives = sbatch_directives(SBATCH_FILES["apptainer"])
+    env = fake_slurm(tmp_path, SBATCH_FILES["apptainer"], nnodes=int(directives["nodes"]), nproc_per_node=4,
+                     train_args="", dry_run=True)
+    env["SLURM_JOB_ID"] = job_id
+    node_logs = tmp_path / "logs" / env["SLURM_JOB_NAME"]
+    node_logs.mkdir(parents=True)
+    last = f"stopped by SIGUSR1 after step 120 of 5000; {said}; continue with --resume" if stopped else "done"
+    (node_logs / f"node1-{job_id}.out").write_text(f"step 120\n{last}\n")
+    done = subprocess.run(["bash", SBATCH_FILES["apptainer"]], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    requeues = [call for call in map(json.loads, (tmp_path / "slurm_calls.jsonl").read_text().splitlines())
+                if call["tool"] == "scontrol" and call["args"][:1] == ["requeue"]]
+    assert requeues == ([{"tool": "scontrol", "args": ["requeue", job_id]}] if stopped else [])
 
 
 def check_trained(tmp_path: Path, run_name: str, world_size: int, steps: int, output: str) -> None:
@@ -306,6 +515,75 @@ def test_slurm_job_reports_a_failed_training_run(tmp_path):
     assert not (tmp_path / "runs" / f"course-ddp-{env['SLURM_JOB_ID']}" / "metrics.jsonl").exists()
 
 
+def signal_the_steps(tag: str, signum: int) -> int:
+    """What Slurm's --signal does: the signal to every process of the job steps (what srun started), not to the
+    batch script or srun. Returns how many processes got it."""
+    sruns = [p for p in psutil.process_iter(["cmdline", "environ"])
+             if (p.info["environ"] or {}).get("COURSE_TEST_TAG") == tag
+             and any(Path(arg).name == "srun" for arg in (p.info["cmdline"] or [])[:2])]
+    signalled = 0
+    for srun in sruns:
+        for proc in srun.children(recursive=True):
+            try:
+                proc.send_signal(signum)
+                signalled += 1
+            except psutil.NoSuchProcess:
+                pass
+    return signalled
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["multinode", "apptainer"])
+def test_time_limit_warning_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path, name):
+    """SIGUSR1 to the steps' processes, as `#SBATCH --signal=USR1@120` sends it: torchrun survives (the wrapper),
+    every rank stops after its step with one checkpoint, the job is requeued (by the CLI, or from the host where
+    the image has no Slurm) and ends with exit code 0; run again, as the requeued job, it continues there. The
+    Apptainer job runs one container per node and writes only to the scratch folder it binds."""
+    sbatch = SBATCH_FILES[name]
+    env = fake_slurm(tmp_path, sbatch, nnodes=2, nproc_per_node=1, train_args=TINY_RUN + " --max_steps 100000")
+    job_id, run_name = env["SLURM_JOB_ID"], env["SLURM_JOB_NAME"]
+    tag = uuid.uuid4().hex
+    env.update(COURSE_TEST_TAG=tag, PYTHONUNBUFFERED="1")
+    root = tmp_path / "scratch" if name == "apptainer" else tmp_path  # where runs/ and logs/ land
+    if name == "apptainer":
+        env["SCRATCH"] = str(root)
+    metrics = root / "runs" / run_name / "metrics.jsonl"
+    with open(tmp_path / "job.out", "w+") as log:
+        job = subprocess.Popen(["bash", sbatch], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+                assert job.poll() is None and time.monotonic() < deadline, "the run did not start training"
+                time.sleep(0.2)
+            assert signal_the_steps(tag, signal.SIGUSR1) >= 4  # 2 torchrun agents, 2 workers
+            code = job.wait(timeout=240)
+        finally:
+            kill_process_trees([job], tag)
+        log.seek(0)
+        output = log.read()
+    nodes = "".join(p.read_text() for p in (root / "logs" / run_name).glob(f"node*-{job_id}.out"))
+    assert code == 0, output + nodes
+    stopped = re.search(r"stopped by SIGUSR1 after step (\d+) of 100000", nodes)
+    assert stopped, output + nodes
+    step = int(stopped.group(1))
+    requeues = [call for call in map(json.loads, (tmp_path / "slurm_calls.jsonl").read_text().splitlines())
+                if call["tool"] == "scontrol" and call["args"][:1] == ["requeue"]]
+    assert requeues == [{"tool": "scontrol", "args": ["requeue", job_id]}], requeues  # once, by the CLI or the host
+    if name == "apptainer":
+        assert f"scontrol requeue {job_id} failed" in nodes and "requeueing job" in output
+        (call, _) = srun_calls(tmp_path, "apptainer")  # one container per node
+        assert call["options"]["--nv"] and call["options"]["--pwd"] == IMAGE_REPO
+        assert not (tmp_path / "runs").exists()  # nothing written beside the image
+    # The requeued job: the same script, job id and run folder; --resume auto continues after the checkpoint
+    (tmp_path / "slurm_calls.jsonl").unlink()
+    env["TRAIN_ARGS"] = TINY_RUN + f" --max_steps {step + 2}"
+    [(code, output)] = run_process_tree([["bash", sbatch]], env=env, cwd=tmp_path)
+    nodes = "".join(p.read_text() for p in (root / "logs" / run_name).glob(f"node*-{job_id}.out"))
+    assert code == 0 and f"x 2 ranks: steps {step} -> {step + 2}" in nodes, output + nodes
+
+
 def real_slurm_missing() -> str | None:
     if os.environ.get("COURSE_REAL_SLURM") != "1":
         return "opt-in: set COURSE_REAL_SLURM=1 (and start Slurm: bash scripts/local_slurm.sh start)"
@@ -318,7 +596,7 @@ def real_slurm_missing() -> str | None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(real_slurm_missing() is not None, reason=str(real_slurm_missing()))
-@pytest.mark.parametrize("name", sorted(SBATCH_FILES))
+@pytest.mark.parametrize("name", NATIVE_SBATCH)
 def test_real_slurm_runs_the_sbatch_files(tmp_path, name):
     """sbatch --wait on a real (one-node, GPU-less) Slurm; the command line asks for CPUs instead of GPUs."""
     (tmp_path / "logs").mkdir()
@@ -383,7 +661,7 @@ def test_kubernetes_pytorchjob_is_coherent_with_torchrun_and_the_training_cli():
 
 @pytest.fixture(scope="module")
 def deepspeed():
-    return pytest.importorskip("deepspeed")
+    return pytest.importorskip("deepspeed", reason=DEEPSPEED_MISSING)
 
 
 def deepspeed_view(deepspeed, path: Path, world_size: int, monkeypatch):

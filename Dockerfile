@@ -67,7 +67,8 @@ ENV NCCL_DEBUG=WARN \
 
 CMD ["make", "gpu-check", "VENV=/opt/venv"]
 
-# The repository, folder by folder: solutions/ is not among them, so no layer of the learner image holds it.
+# The repository, folder by folder: solutions/ is not among them, so no layer of the learner image holds it, nor
+# the grading suite's answers (COPY --exclude: Dockerfile syntax 1.19 or newer, which the `# syntax=docker/dockerfile:1` line selects).
 # (.dockerignore cannot do this: it applies to every target alike.)
 FROM environment AS repository
 COPY --chown=course:course Makefile pyproject.toml requirements.txt requirements-deepspeed.txt environment.yml \
@@ -78,7 +79,8 @@ COPY --chown=course:course config config/
 COPY --chown=course:course scripts scripts/
 COPY --chown=course:course notebooks notebooks/
 COPY --chown=course:course book book/
-COPY --chown=course:course tests tests/
+# tests/course/test_grading.py holds the grading suite's wrong and right answers to every exercise: instructors only
+COPY --chown=course:course --exclude=course/test_grading.py tests tests/
 # The Makefile's environment is /opt/venv here: the stamp tells make that it is installed already. The bytecode
 # is compiled now, since Apptainer runs the image read-only and Python could not write it there.
 RUN pip install --no-deps -e . \
@@ -88,6 +90,7 @@ USER course
 
 FROM repository AS instructor
 COPY --chown=course:course solutions solutions/
+COPY --chown=course:course tests/course/test_grading.py tests/course/
 
 # Last, so that a build without --target gives it.
 FROM repository AS learner

@@ -131,6 +131,11 @@ def test_the_default_target_is_the_learner_image_without_solutions():
     assert all(not source.startswith(("solutions/", "./solutions")) for source in sources)
     instructor = copies(chain("instructor"))
     assert ["solutions", "solutions/"] in instructor, "the instructor image adds solutions/"
+    # the grading suite's mutants and right answers written differently: left out of the learner's tests/
+    steps = [rest for name in chain("learner") for word, rest in stages()[name]["steps"] if word == "COPY"]
+    tests_copy = next(rest for rest in steps if shlex.split(rest)[-1] == "tests/")
+    assert "--exclude=course/test_grading.py" in tests_copy, tests_copy
+    assert ["tests/course/test_grading.py", "tests/course/"] in instructor
     # The instructor image is the learner's repository plus solutions/: the same stages below it
     assert chain("instructor")[1:] == chain("learner")[1:]
     workdir = [rest for name in chain("learner") for word, rest in all_stages[name]["steps"] if word == "WORKDIR"]

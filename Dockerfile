@@ -68,7 +68,7 @@ ENV NCCL_DEBUG=WARN \
 CMD ["make", "gpu-check", "VENV=/opt/venv"]
 
 # The repository, folder by folder: solutions/ is not among them, so no layer of the learner image holds it, nor
-# the grading suite's answers (COPY --exclude: Dockerfile syntax 1.19 or newer, which the `# syntax=docker/dockerfile:1` line selects).
+# the grading suite's answers (COPY --exclude: Dockerfile syntax 1.19 or newer, which the first line selects).
 # (.dockerignore cannot do this: it applies to every target alike.)
 FROM environment AS repository
 COPY --chown=course:course Makefile pyproject.toml requirements.txt requirements-deepspeed.txt environment.yml \

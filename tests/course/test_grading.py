@@ -2508,13 +2508,17 @@ def test_untouched_release_scores_zero_on_every_graded_cell(checked, graded, not
 def test_the_macos_start_path_grades_a_multi_rank_exercise():
     """On macOS nothing that has imported torch forks: each check is a fresh interpreter that runs the setup cells,
     and its ranks are spawned (course_tools.grading.sandbox.start_method). Forced here on Linux: the solution of a
-    check whose worker patches a collective on every rank passes, as on the fork path (the small notebook of
-    tests/grading/test_sandbox.py shows a wrong answer failing on this path)."""
-    test_id = "ddp1_overlap_tests"
-    results = grade(DDP_EXERCISES.source, {"solutions": solution_code(DDP_EXERCISES)}, only=[test_id], method="spawn")
+    check whose worker patches a collective on every rank passes, and a wrong answer fails, as on the fork path."""
+    test_id, cell = "ddp1_overlap_tests", "ddp1_overlap"
+    wrong = next(code for kind, c, code in mutants(DDP_EXERCISES).values() if kind == "wrong answer" and c == cell)
+    solutions = solution_code(DDP_EXERCISES)
+    results = grade(DDP_EXERCISES.source, {"solutions": solutions, "wrong": {**solutions, cell: wrong}},
+                    only=[test_id], method="spawn")
     assert results["solutions"][test_id].passed, results["solutions"][test_id].error[-2000:]
+    assert not results["wrong"][test_id].passed and results["wrong"][test_id].error
 
 
+@pytest.mark.parametrize("notebook", NBGRADED, ids=str)
 def test_mixed_submission_loses_exactly_the_mutated_exercises(graded, notebook):
     grades, expected, student = graded[str(notebook)], points(notebook.source), "mixed"
     mutated = grades.mutated[student]

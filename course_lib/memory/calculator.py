@@ -23,6 +23,7 @@ and under ZeRO-3/FSDP the all-gathered parameters of the layer being computed. L
 from __future__ import annotations
 
 import argparse
+import io
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
@@ -237,11 +238,13 @@ class MemoryCalculator:
             if key not in self.controls:
                 raise ValueError(f"unknown control {key!r}; controls are {sorted(self.controls)}")
             self.controls[key].value = value
-        self.summary, self.output = w.HTML(), w.Output()
+        # The bar is a PNG in an Image widget, not a figure drawn into an Output widget: a notebook run headless
+        # (papermill, nbconvert) can wait forever on an Output widget's messages (jupyter/nbclient#312).
+        self.summary, self.plot = w.HTML(), w.Image(format="png")
         c = self.controls
         self.widget = w.VBox([w.HBox([c["model"], c["world_size"], c["precision"]]), c["zero_stage"],
                               w.HBox([c["optimizer"], c["micro_batch"], c["seq_len"]]),
-                              c["activation_checkpointing"], self.summary, self.output])
+                              c["activation_checkpointing"], self.summary, self.plot])
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
         self.update()
@@ -253,15 +256,13 @@ class MemoryCalculator:
         self.update()
 
     def update(self) -> MemoryBreakdown:
-        """Recompute from the controls, redraw the bar into the output area, refresh the summary line."""
-        from IPython.display import clear_output, display
-
+        """Recompute from the controls, redraw the bar into the image, refresh the summary line."""
         self.breakdown = memory_per_gpu(**self.values())
         self.figure = plot_memory_breakdown(self.breakdown, device_bytes=self.device_bytes)
-        with self.output:
-            clear_output(wait=True)
-            display(self.figure)
-        plt.close(self.figure)  # shown through the output area only, not again by the inline backend
+        png = io.BytesIO()
+        self.figure.savefig(png, format="png", dpi=90)
+        self.plot.value = png.getvalue()
+        plt.close(self.figure)  # shown through the image only, not again by the inline backend
         b = self.breakdown
         parts = ", ".join(f"{name} {format_bytes(getattr(b, key))}" for key, name, _ in KINDS)
         verdict = "fits" if b.fits(self.device_bytes) else "does NOT fit"

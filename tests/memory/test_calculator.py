@@ -122,6 +122,7 @@ def test_widget_builds_and_redraws_when_a_control_changes():
     assert " fits" in calculator.summary.value
     heights = sum(p.get_height() for p in calculator.figure.axes[0].patches)
     assert heights == pytest.approx(calculator.breakdown.total / 1e9)
+    assert bytes(calculator.plot.value).startswith(b"\x89PNG"), "the bar is shown as a PNG image, redrawn on change"
     calculator.controls["activation_checkpointing"].value = True
     assert calculator.breakdown.activation_checkpointing
     with pytest.raises(ValueError, match="unknown control"):

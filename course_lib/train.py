@@ -39,6 +39,7 @@ $COURSE_OUTPUT_ROOT when it is set (a scratch file system).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -313,10 +314,35 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+def data_vocab_size(cfg: TrainConfig) -> int | None:
+    """The vocabulary of the token files cfg trains on (their meta.json's vocab_size); None for synthetic data or
+    files that record none."""
+    if cfg.dataset != "corpus":
+        return None
+    path = output_path(cfg.data_dir) / "meta.json"
+    try:
+        vocab = json.loads(path.read_text()).get("vocab_size") if path.exists() else None
+    except (ValueError, AttributeError) as err:
+        raise ValueError(f"{path} is not a JSON object describing the token files beside it: {err}") from err
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2):
+        raise ValueError(f"{path} says vocab_size {vocab!r}: it must be an integer >= 2")
+    return vocab
+
+
 def build_model_config(cfg: TrainConfig) -> GPTConfig:
+    """The model of --model_size (or --config_path), with --block_size, and a vocabulary the data fits.
+
+    Token files of a trained tokenizer (meta.json: vocab_size 8192, say) need more ids than the presets' 256
+    bytes: a preset then gets the data's vocabulary, rounded up to a multiple of 64 (the matrix shapes GPUs run
+    fastest; the ids above the tokenizer's are never seen). A --config_path file keeps its own vocab_size, which
+    check_splits refuses if the data holds a larger id.
+    """
     overrides = {} if cfg.block_size is None else {"block_size": cfg.block_size}
     if cfg.config_path is not None:
         return load_model_config(cfg.config_path, **overrides)
+    vocab = data_vocab_size(cfg)
+    if vocab is not None and vocab > PRESETS[cfg.model_size].vocab_size:
+        overrides["vocab_size"] = -(-vocab // 64) * 64
     return GPTConfig.from_preset(cfg.model_size, **overrides)
 
 
@@ -357,8 +383,8 @@ def check_splits(cfg: TrainConfig, config: GPTConfig, splits: dict[str, torch.Te
                              f"{len(tokens):,} tokens; use a smaller --block_size or more data")
         top = int(tokens.max())
         if top >= config.vocab_size:
-            raise ValueError(f"vocab_size={config.vocab_size} is too small for {where}: it holds token id {top} "
-                             f"(the byte tokenizer has 256 ids); set vocab_size to at least {top + 1}")
+            raise ValueError(f"vocab_size={config.vocab_size} is too small for {where}: it holds token id {top}; set "
+                             f"vocab_size to at least {top + 1} (the tokenizer's vocabulary, in meta.json beside it)")
 
 
 def rows_on_resume(cfg: TrainConfig, dp: int, saved_global: int | None, saved_flag: int | None, path,
@@ -453,6 +479,10 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
         remove_partial_files(out_dir)
     seed_everything(cfg.seed)
     config = build_model_config(cfg)
+    if is_main and cfg.config_path is None and config.vocab_size != PRESETS[cfg.model_size].vocab_size:
+        tqdm.write(f"note: vocab_size {config.vocab_size} for the {data_vocab_size(cfg):,} token ids of "
+                   f"{output_path(cfg.data_dir) / 'meta.json'} (the {cfg.model_size} preset has "
+                   f"{PRESETS[cfg.model_size].vocab_size})")
     model = GPT(config).to(device)
     num_params = model.num_params()  # before any layout keeps only a part of it here
     scaler = torch.amp.GradScaler(device.type) if needs_grad_scaler(device, amp_dtype) else None

@@ -80,7 +80,7 @@ def corpus_stats(text: str | None = None) -> dict:
             "bytes_per_word": len(raw) / max(words, 1)}
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file, fsync, rename: readers see the old file or the new one, never half."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -150,19 +150,40 @@ def prepare_tokens(data_dir="data", val_fraction: float = 0.1, force: bool = Fal
     boundary = raw.rfind(b"\n\n", 0, split_at)  # don't cut a docstring in half
     split_at = boundary + 2 if boundary > 0 else split_at
     data_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(paths["train"], tokens[:split_at].tobytes())
-    _atomic_write(paths["val"], tokens[split_at:].tobytes())
+    write_atomically(paths["train"], tokens[:split_at].tobytes())
+    write_atomically(paths["val"], tokens[split_at:].tobytes())
     meta = {"tokenizer": "utf-8 bytes", "vocab_size": ByteTokenizer.vocab_size, "dtype": "uint8",
             "corpus": CORPUS_FILE, "corpus_sha256": sha, "val_fraction": val_fraction,
             "train_tokens": split_at, "val_tokens": len(raw) - split_at}
-    _atomic_write(data_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())  # last: marks completion
+    write_atomically(data_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())  # last: marks completion
     return paths
 
 
-def load_tokens(split: str, data_dir="data") -> torch.Tensor:
-    """The split's tokens as a 1-D uint8 tensor (prepares the files first if they are missing).
+TOKEN_DTYPES = {"uint8": (np.uint8, np.uint8), "uint16": (np.uint16, np.int32), "uint32": (np.uint32, np.int64)}
+"""Token file dtype (meta.json "dtype") -> (how the file is read, the dtype its tensor holds: uint16 and uint32 ids
+are widened to a signed type, which every torch indexing op accepts)."""
 
-    uint8 keeps the stream 8x smaller than int64; RandomBatches and eval_batches hand out int64
+
+def token_file_dtype(data_dir) -> str:
+    """The dtype of data_dir's token files: meta.json's "dtype" (core.tokenizer writes uint16 / uint32 files),
+    uint8 when there is no meta.json (byte files)."""
+    path = Path(data_dir) / "meta.json"
+    if not path.exists():
+        return "uint8"
+    try:
+        dtype = json.loads(path.read_text()).get("dtype", "uint8")
+    except (ValueError, AttributeError) as err:
+        raise ValueError(f"{path} is not a JSON object describing the token files beside it: {err}") from err
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"{path} says dtype {dtype!r}: token files must be one of {sorted(TOKEN_DTYPES)}")
+    return dtype
+
+
+def load_tokens(split: str, data_dir="data") -> torch.Tensor:
+    """The split's tokens as a 1-D integer tensor (prepares the course's byte files first if they are missing).
+
+    The file's dtype comes from meta.json beside it (uint8 for bytes, uint16 / uint32 for a trained tokenizer's
+    ids). uint8 is kept as uint8, 8x smaller than int64; RandomBatches and eval_batches hand out int64
     (torch.long) batches, which is what nn.Embedding and cross_entropy want.
     """
     if split not in SPLITS:
@@ -175,7 +196,13 @@ def load_tokens(split: str, data_dir="data") -> torch.Tensor:
                                     f"and no {split} split. Add {split}.bin (uint8 token ids), or point data_dir "
                                     "at a folder with both splits")
         prepare_tokens(data_dir)
-    tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+    dtype = token_file_dtype(data_dir)
+    file_dtype, held_dtype = TOKEN_DTYPES[dtype]
+    size, itemsize = path.stat().st_size, np.dtype(file_dtype).itemsize
+    if size % itemsize:
+        raise ValueError(f"{path} holds {size} bytes, not a whole number of {dtype} token ids ({itemsize} bytes "
+                         f"each, as {Path(data_dir) / 'meta.json'} says): the file is cut short or not a {dtype} file")
+    tokens = torch.from_numpy(np.fromfile(path, dtype=file_dtype).astype(held_dtype, copy=False))
     if len(tokens) == 0:
         raise ValueError(f"{path} is empty: the {split} split has no tokens")
     return tokens

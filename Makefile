@@ -25,7 +25,7 @@ INSTALL_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUS
 QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test book lab release autograde bench gpu-check doctor wheelhouse lint clean
+.PHONY: help venv test book slides lab release autograde bench gpu-check doctor wheelhouse lint clean
 
 help: ## List the make targets
 	@echo "Distributed LLM training course: make <target>"
@@ -51,8 +51,11 @@ venv: $(STAMP) $(EXTRA_STAMPS) ## Create .venv with the pinned dependencies and 
 test: $(STAMP) ## Run every test (unit, distributed, notebooks, grading)
 	$(PY) -m pytest
 
-book: $(STAMP) ## Execute the notebooks and build the HTML book into _build/html
+book: $(STAMP) ## Execute the notebooks and build the HTML book, session slides included, into _build/html
 	$(PY) scripts/build_book.py
+
+slides: $(STAMP) ## Build the slide deck of every session (reveal.js, offline) into _build/html/slides
+	$(PY) scripts/build_slides.py
 
 lab: $(STAMP) ## Open your workspace (a copy of notebooks/ that release never touches) in JupyterLab
 	$(PY) scripts/workspace.py

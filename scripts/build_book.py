@@ -15,7 +15,8 @@ it and for stderr output boxes, every notebook page's outputs for those folders 
 an executed build, every lesson notebook (one without graded cells) for outputs: a lesson page whose code
 cells show none fails the build, and so does a code cell of EXECUTED_AROUND_ANSWERS that is neither an answer,
 a test, the parameters nor the setup and shows nothing (scripts/output_checks.py). The vendored MathJax must be there.
-Exits non-zero if anything fails.
+Before the checks, the session slides (scripts/build_slides.py, from book/slides/) go into <out>/_build/html/slides/,
+where each session's chapter links its deck. Exits non-zero if anything fails.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import yaml
+from build_slides import SlideBuildError, build_all as build_slide_decks
 from output_checks import html_problems, machine_folders, notebook_page_problems
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -196,7 +198,23 @@ def build(source_dir: Path, out_dir: Path, execute: bool) -> int:
             print(f"error: jupyter-book build failed (exit code {status}); the warnings above say why",
                   file=sys.stderr)
             return status
+        status = build_slides(source_dir, out_dir / "_build" / "html")
+        if status != 0:
+            return status
         return check_output(source_dir, book_dir, out_dir, execute)
+
+
+def build_slides(source_dir: Path, html_dir: Path) -> int:
+    """The session slides (book/slides/session_*.md) into html_dir/slides; 0 if built, or if the book has none."""
+    slides = source_dir / "book" / "slides"
+    if not slides.is_dir():  # another book (--path) without slides
+        return 0
+    try:
+        build_slide_decks(slides, html_dir / "slides", source_dir / "book" / "_static")
+    except SlideBuildError as error:
+        print(f"error: the slides: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def check_output(source_dir: Path, book_dir: Path, out_dir: Path, execute: bool) -> int:

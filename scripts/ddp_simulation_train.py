@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=4 scripts/ddp_simulation_train.py --max_steps 60
     python scripts/ddp_simulation_train.py            # the same script as one process (world size 1)
     tail logs/rank_0/train.log logs/rank_1/train.log  # afterwards: what each rank saw and did
+    torchrun --nproc_per_node=2 scripts/ddp_simulation_train.py --resume   # continue from runs/.../latest.pt
 
 Everything distributed is on this page, in the order a job meets it:
 
@@ -15,7 +16,11 @@ Everything distributed is on this page, in the order a job meets it:
 3. `DistributedDataParallel` wraps the model; `loss.backward()` then averages the gradients over the ranks, so
    every replica takes the same optimizer step and stays equal to the others.
 4. Each rank logs to logs/rank_<r>/train.log: its local loss (its own rows) next to the global one.
-5. `dist.barrier()` and `dist.destroy_process_group()` end every rank the same way.
+5. Checkpoints: rank 0 alone writes one (the replicas are equal) every --ckpt_interval steps, at the last step, and
+   when SIGTERM arrives (a scheduler's time limit or preemption): the signal sets a flag, the flag rides in the
+   step's loss all-reduce so that every rank stops after the same step, and the job exits 0. --resume continues
+   from the checkpoint, bit for bit.
+6. `dist.barrier()` and `dist.destroy_process_group()` end every rank the same way.
 
 The model, the AdamW settings, the learning-rate schedule and the sequence of global batches are the ones of
 `python -m course_lib.train`, so this run equals `torchrun ... -m course_lib.train --strategy ddp` with the same
@@ -25,6 +30,7 @@ flags, and one process with the whole global batch (tests/data_parallel/test_tor
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -32,7 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from course_lib.checkpoint.atomic import atomic_write, move_earlier_run
+from course_lib.checkpoint.atomic import LATEST, load_checkpoint, move_earlier_run, save_training_checkpoint
 from course_lib.core.data import RandomBatches, load_tokens, prepare_tokens, synthetic_tokens
 from course_lib.core.metrics import MetricsLogger
 from course_lib.core.model import GPT, PRESETS, GPTConfig
@@ -79,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log_interval", type=int, default=5)
     p.add_argument("--eval_interval", type=int, default=20, help="0: evaluate at the last step only")
     p.add_argument("--eval_batches", type=int, default=DEFAULTS.eval_batches)
+    p.add_argument("--ckpt_interval", type=int, default=DEFAULTS.ckpt_interval, help="0: at the last step only")
+    p.add_argument("--resume", action="store_true", help="continue from <out_dir>/latest.pt")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     p.add_argument("--no-progress", action="store_true", help="accepted for course_lib.train's flags; no bar here")
     args = p.parse_args(argv)
@@ -119,9 +127,21 @@ def rank_logger(log_dir: str, rank: int, world_size: int) -> logging.Logger:
     return log
 
 
+class StopSignal:
+    """5. SIGTERM sets a flag; the training loop reads it after each step (never mid-step)."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame):
+        self.requested = True
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world_size, device = init_process_group()
+    stop = StopSignal()
     log = rank_logger(args.log_dir, rank, world_size)
     if rank == 0:
         print(f"DDP on {world_size} rank(s), {device.type}, global batch {args.batch_size} x {world_size} rows"
@@ -154,14 +174,24 @@ def main(argv=None) -> None:
     scheduler = make_scheduler(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
                                max_steps=args.max_steps)
     out_dir = Path(args.out_dir)
+    start_step = 0
+    if args.resume:  # 5. every rank loads the same file: model, optimizer, schedule and step
+        if not (out_dir / LATEST).exists():
+            raise SystemExit(f"--resume: there is no checkpoint {out_dir / LATEST} to continue from")
+        start_step = load_checkpoint(out_dir / LATEST, model=model, optimizer=optimizer, scheduler=scheduler,
+                                     map_location=device)["step"]
+        log.info(f"resumed from {out_dir / LATEST} at step {start_step}")
     metrics = None
     if rank == 0:
-        moved = move_earlier_run(out_dir)  # never overwrite an earlier run
+        moved = None if args.resume else move_earlier_run(out_dir)  # never overwrite an earlier run
         if moved:
             print(f"an earlier run in {out_dir} was moved to {moved}")
-        metrics = MetricsLogger(out_dir, tensorboard=args.tensorboard)
+        metrics = MetricsLogger(out_dir, tensorboard=args.tensorboard, resume_step=start_step if args.resume else None)
 
+    step = start_step
     for step, (rows, windows) in enumerate(loader, start=1):
+        if step <= start_step:
+            continue  # done before the checkpoint: the loader still walks its rows, so the next ones come next
         if step == 1:  # the proof that the data is split: gather every rank's row numbers
             everyone = [None] * world_size
             dist.all_gather_object(everyone, rows.tolist())
@@ -175,9 +205,11 @@ def main(argv=None) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        global_loss = loss.detach().double()  # this rank's rows only: average over the ranks for the log
-        dist.all_reduce(global_loss)
-        global_loss = global_loss.item() / world_size
+        # This rank's loss (its rows only) and its stop flag, summed over the ranks in one all-reduce: the mean loss
+        # for the log, and a stop that every rank sees at the same step.
+        shared = torch.tensor([loss.item(), float(stop.requested)], dtype=torch.float64, device=device)
+        dist.all_reduce(shared)
+        global_loss, stopping = shared[0].item() / world_size, shared[1].item() > 0
         if step % args.log_interval == 0 or step == args.max_steps:
             log.info(f"step {step} | loss {global_loss:.4f} | local loss {loss.item():.4f} | lr {lr:.2e} | "
                      f"grad norm {grad_norm.item():.3f}")
@@ -190,13 +222,22 @@ def main(argv=None) -> None:
             if metrics:
                 metrics.log({"kind": "eval", "step": step, "val_loss": val_loss})
                 print(f"step {step} | loss {global_loss:.4f} | val loss {val_loss:.4f}")
+        if (args.ckpt_interval and step % args.ckpt_interval == 0) or step == args.max_steps or stopping:
+            if rank == 0:  # the replicas are equal: rank 0 saves one copy; the others wait until it is complete
+                save_training_checkpoint(out_dir, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+                                         extra={"world_size": world_size, "batch_size": args.batch_size})
+            dist.barrier()
+        if stopping:
+            log.info(f"SIGTERM: stopped after step {step} with a checkpoint; continue with --resume")
+            if rank == 0:
+                print(f"stopped by SIGTERM after step {step}: checkpoint {out_dir / LATEST}; continue with --resume")
+            break
 
-    if rank == 0:  # the replicas are equal: rank 0 saves one copy
+    if rank == 0:
         metrics.close()
-        state = {"model": model.state_dict(), "model_config": config.to_dict(), "step": args.max_steps}
-        path = atomic_write(out_dir / "model.pt", lambda f: torch.save(state, f))
-        print(f"model: {path}; metrics: {metrics.path}; rank logs: {args.log_dir}/rank_<r>/train.log")
-    # 5. End every rank the same way.
+        print(f"checkpoint: {out_dir / LATEST} (step {step}); metrics: {metrics.path}; "
+              f"rank logs: {args.log_dir}/rank_<r>/train.log")
+    # 6. End every rank the same way.
     dist.barrier()
     dist.destroy_process_group()
 

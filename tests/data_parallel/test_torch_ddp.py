@@ -85,7 +85,7 @@ def test_lab2_script_equals_the_ddp_trainer_and_proves_the_split(tmp_path):
     run([BIN / "torchrun", "--nproc_per_node=2", "-m", "course_lib.train", "--strategy", "ddp", *common,
          "--out_dir", "trainer", "--log_dir", "trainer_logs"], tmp_path)
     torch.testing.assert_close(losses(tmp_path / "script"), losses(tmp_path / "trainer"))
-    script = torch.load(tmp_path / "script" / "model.pt", weights_only=True)["model"]
+    script = load_checkpoint(tmp_path / "script" / LATEST, restore_rng=False)["model"]
     trainer = load_checkpoint(tmp_path / "trainer" / LATEST, restore_rng=False)["model"]
     assert script.keys() == trainer.keys()
     for name, tensor in script.items():

@@ -584,6 +584,50 @@ def test_time_limit_warning_checkpoints_requeues_and_the_requeued_job_resumes(tm
     assert code == 0 and f"x 2 ranks: steps {step} -> {step + 2}" in nodes, output + nodes
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_capstone_job_stops_the_learners_script_at_the_time_limit_requeues_and_resumes(tmp_path):
+    """config/capstone.sbatch with a learner's script (tests/capstone/toy_train.py): SIGTERM to the batch script, as
+    `#SBATCH --signal=B:TERM@120` sends it, reaches every worker once through srun and torchrun; they checkpoint and
+    exit, the job requeues itself and ends with 0; the requeued job starts the script with --resume and continues
+    after the checkpoint's step."""
+    sbatch = CONFIG / "capstone.sbatch"
+    env = fake_slurm(tmp_path, sbatch, nnodes=1, nproc_per_node=2, train_args="")
+    job_id = env["SLURM_JOB_ID"]
+    shutil.copy(ROOT / "tests" / "capstone" / "toy_train.py", tmp_path / "my_train.py")
+    common = "--batch_size 4 --out_dir runs/mine --log_dir logs/mine"
+    tag = uuid.uuid4().hex
+    env.update(SCRIPT="my_train.py", SCRIPT_ARGS=f"--max_steps 1000000 {common}", PYTHONUNBUFFERED="1",
+               COURSE_TEST_TAG=tag)
+    rank_log = tmp_path / "logs" / "mine" / "rank_0.log"
+    with open(tmp_path / "job.out", "w+") as log:
+        job = subprocess.Popen(["bash", sbatch], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (rank_log.exists() and "step" in rank_log.read_text()):
+                assert job.poll() is None and time.monotonic() < deadline, "the script did not start training"
+                time.sleep(0.2)
+            job.send_signal(signal.SIGTERM)  # to the batch script only (B:)
+            code = job.wait(timeout=120)
+        finally:
+            kill_process_trees([job], tag)
+        log.seek(0)
+        output = log.read()
+    assert code == 0, output
+    saved = torch.load(tmp_path / "runs" / "mine" / "checkpoint.pt", weights_only=True)["step"]
+    last = rank_log.read_text().splitlines()
+    assert last[-1] == f"stopped by SIGTERM after step {saved}", last[-3:]
+    calls = [json.loads(line) for line in (tmp_path / "slurm_calls.jsonl").read_text().splitlines()]
+    assert [c["args"] for c in calls if c["tool"] == "scontrol" and c["args"][0] == "requeue"] == [["requeue", job_id]]
+    # the requeued job: SLURM_RESTART_COUNT=1, the same script and arguments plus --resume
+    env.update(SLURM_RESTART_COUNT="1", SCRIPT_ARGS=f"--max_steps {saved + 2} {common}")
+    [(code, output)] = run_process_tree([["bash", sbatch]], env=env, cwd=tmp_path)
+    assert code == 0 and "--resume" in output, output
+    new = rank_log.read_text().splitlines()[len(last):]
+    assert [line.split(" loss ")[0].split("step ")[1] for line in new] == [str(saved + 1), str(saved + 2)], new
+
+
 def real_slurm_missing() -> str | None:
     if os.environ.get("COURSE_REAL_SLURM") != "1":
         return "opt-in: set COURSE_REAL_SLURM=1 (and start Slurm: bash scripts/local_slurm.sh start)"

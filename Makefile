@@ -48,8 +48,9 @@ $(VENV)/.installed-%: requirements-%.txt $(STAMP)
 
 venv: $(STAMP) $(EXTRA_STAMPS) ## Create .venv with the pinned dependencies and course_lib (editable); EXTRAS=deepspeed adds DeepSpeed
 
-test: $(STAMP) ## Run every test (unit, distributed, notebooks, grading)
-	$(PY) -m pytest
+TEST_WORKERS ?= 2
+test: $(STAMP) ## Run every test (unit, distributed, notebooks, grading) on TEST_WORKERS processes (default 2)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 book: $(STAMP) ## Execute the notebooks and build the HTML book, session slides included, into _build/html
 	$(PY) scripts/build_book.py

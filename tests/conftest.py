@@ -40,3 +40,18 @@ def section_stdout(stdout: str, section: str) -> str:
     """The tables one bench section printed (each starts with a line `== <section>: <title>`)."""
     blocks = stdout.split("\n== ")
     return "\n".join(block for block in blocks if block.lstrip("= ").startswith(f"{section}:"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite on two workers (pytest-xdist, `-n 2 --dist loadgroup`). Each test file is one
+    group, so a worker builds its module fixtures once (the grading suite's graded mutants, the book build); the
+    bench files share one group, whose session fixture runs bench.py once; the notebooks, each a run of its own,
+    spread over both workers. Without xdist, nothing changes."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    tests_dir = REPO_ROOT / "tests"
+    for item in items:
+        relative = Path(item.fspath).relative_to(tests_dir)
+        if relative.name == "test_notebooks.py":
+            continue
+        item.add_marker(pytest.mark.xdist_group("bench" if relative.parts[0] == "bench" else str(relative)))

@@ -310,8 +310,8 @@ def zero_reference(world_size: int, *, steps: int = 3, lr: float = 0.1, momentum
 
 
 ZERO3_UNITS = ((8, 23, 12), (12, 19, 12), (12, 29, 10), (10, 15, 6))
-"""(in, hidden, out) of each unit of the ZeRO-3 model: Linear, GELU, Linear. 499, 487, 677 and 261 parameters:
-none divides by 2, 3 or 4, so every unit's flat vector is padded."""
+"""(in, hidden, out) of each unit of the ZeRO-3 model: Linear, GELU, Linear. 495, 487, 677 and 261 parameters:
+none divides by 2 or 4 (495 divides by 3), so on 2 or 4 ranks every unit's flat vector is padded."""
 
 
 def zero3_model(seed: int = 0) -> nn.Sequential:

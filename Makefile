@@ -50,7 +50,7 @@ venv: $(STAMP) $(EXTRA_STAMPS) ## Create .venv with the pinned dependencies and 
 
 TEST_WORKERS ?= 2
 test: $(STAMP) ## Run every test (unit, distributed, notebooks, grading) on TEST_WORKERS processes (default 2)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 book: $(STAMP) ## Execute the notebooks and build the HTML book, session slides included, into _build/html
 	$(PY) scripts/build_book.py

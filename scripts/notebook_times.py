@@ -165,6 +165,8 @@ def chapter_pages(session: str, root: Path = REPO_ROOT) -> list[Path]:
 
 
 def fmt_seconds(seconds: float) -> str:
+    if seconds < 0.5:
+        return "under 1 s"
     seconds = round(seconds)
     if seconds < 60:
         return f"{seconds} s"

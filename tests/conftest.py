@@ -4,7 +4,9 @@ tests/ mirrors course_lib/ (tests/<sub-package>/test_<module>.py); tests/course/
 the grading round trip and the environment.
 """
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +30,21 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def bench_quick(tmp_path_factory):
-    """One `scripts/bench.py --quick --json` run of every section, shared by the bench tests: (stdout, report)."""
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--json", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
+    """One `scripts/bench.py --quick --json` run of every section, shared by the bench tests: (stdout, report).
+
+    Under pytest-xdist (`make test` runs two workers) the bench files may run on both workers: the first worker runs
+    bench.py, the other waits for it (a lock in the folder the run's workers share) and reads its results."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # <run>/popen-gw<n> under xdist
+    out, printed = shared / "bench_quick.json", shared / "bench_quick.txt"
+    with open(shared / "bench_quick.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--quick", "--json",
+                                   str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            printed.write_text(proc.stdout)
+    return printed.read_text(), json.loads(out.read_text())
 
 
 def section_stdout(stdout: str, section: str) -> str:
@@ -41,17 +52,3 @@ def section_stdout(stdout: str, section: str) -> str:
     blocks = stdout.split("\n== ")
     return "\n".join(block for block in blocks if block.lstrip("= ").startswith(f"{section}:"))
 
-
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs the suite on two workers (pytest-xdist, `-n 2 --dist loadgroup`). Each test file is one
-    group, so a worker builds its module fixtures once (the grading suite's graded mutants, the book build); the
-    bench files share one group, whose session fixture runs bench.py once; the notebooks, each a run of its own,
-    spread over both workers. Without xdist, nothing changes."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    tests_dir = REPO_ROOT / "tests"
-    for item in items:
-        relative = Path(item.fspath).relative_to(tests_dir)
-        if relative.name == "test_notebooks.py":
-            continue
-        item.add_marker(pytest.mark.xdist_group("bench" if relative.parts[0] == "bench" else str(relative)))

@@ -64,6 +64,9 @@ def test_the_renderer_names_what_it_cannot_fill():
                                                                            "c1": {"seconds": 2.5, "printed": ["a", "b"]},
                                                                            "c2": {"seconds": 1.0, "printed": []}}}}}
     assert nt.render_text("{{ run session_a/x }} / {{ cell session_a/x c1 }}", data, "t") == "1 min 15 s / 2 s"
+    data["notebooks"]["session_a/x"]["cells"]["c1"]["seconds"] = 0.2
+    assert nt.render_text("{{ cell session_a/x c1 }}", data, "t") == "under 1 s"
+    data["notebooks"]["session_a/x"]["cells"]["c1"]["seconds"] = 2.5
     assert nt.render_text("{{ output session_a/x c1 1 }}", data, "t") == "```text\na\n```"
     with pytest.raises(ValueError, match=r"t: session_a/y is not in notebook_times\.json"):
         nt.render_text("{{ run session_a/y }}", data, "t")

@@ -43,6 +43,8 @@ from datetime import date
 from pathlib import Path
 
 import nbformat
+from grading import parameter_names  # scripts/ is on sys.path: this file's folder
+from output_checks import is_graded
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMES_FILE = REPO_ROOT / "book" / "instructor" / "notebook_times.json"
@@ -63,22 +65,13 @@ def notebook_names(root: Path = REPO_ROOT) -> list[str]:
     return [f"{p.parent.name}/{p.stem}" for p in sorted((root / "notebooks").glob("session_*/*.ipynb"))]
 
 
-def is_graded(nb) -> bool:
-    return any(c.metadata.get("nbgrader", {}).get("grade") for c in nb.cells)
-
-
 def source_of(name: str, root: Path = REPO_ROOT) -> Path:
     """The notebook a learner runs: the student version of a lesson, the instructor version of an exercise
     notebook (the student version stops at the first unanswered exercise)."""
     student = root / "notebooks" / f"{name}.ipynb"
     if not student.exists():
         raise FileNotFoundError(f"no notebook {name}: expected {student}")
-    return root / "solutions" / f"{name}.ipynb" if is_graded(nbformat.read(student, as_version=4)) else student
-
-
-def parameter_names(nb) -> set[str]:
-    cell = next((c for c in nb.cells if "parameters" in c.metadata.get("tags", [])), None)
-    return set(re.findall(r"^(\w+)\s*=", cell.source, flags=re.MULTILINE)) if cell else set()
+    return root / "solutions" / f"{name}.ipynb" if is_graded(student) else student
 
 
 def printed(cell, lines: int = OUTPUT_LINES) -> list[str]:

@@ -22,6 +22,16 @@ def toy(tmp_path, bug: str) -> Harness:
     return Harness(TOY, [*TEMPLATE, "--bug", bug], resume_args=["--resume"], work=tmp_path, timeout_s=120)
 
 
+def teardown_hang(result: Result) -> bool:
+    """A run that timed out although every rank that reported had taken all its steps: the hang was after the
+    script's work, in gloo's teardown (dist.barrier / destroy_process_group), not in what the harness checks."""
+    failed = [c for c in result.checks if not c.ok]
+    if not failed or "did not finish" not in failed[0].detail:
+        return False
+    run = result.runs[-1]
+    return all(r is None or r["steps"] == 8 for r in run.reports.values()) and any(run.reports.values())
+
+
 def verdicts(result: Result) -> dict[str, bool]:
     return {c.name: c.ok for c in result.checks}
 
@@ -33,6 +43,8 @@ def test_the_course_lab2_script_passes_every_check(tmp_path):
                       [*TEMPLATE, "--dataset", "synthetic", "--eval_interval", "0", "--eval_batches", "1",
                        "--no-tensorboard"], resume_args=["--resume"], work=tmp_path, timeout_s=180)
     result = harness.run(say=lambda *_: None)
+    if teardown_hang(result):  # seen once in five full runs: a rank that had finished every step never exited
+        result = harness.run(say=lambda *_: None)
     assert [c.name for c in result.checks] == CHECKS, result.summary()
     assert result.passed, result.summary()
     stopped = int(re.search(r"stopped after step (\d+)", result.checks[-2].detail).group(1))
